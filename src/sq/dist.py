@@ -1,0 +1,187 @@
+"""Process group, device mesh and rank-aware logging.
+
+Only the entry points read the environment; everything below takes plain arguments.
+A collective timeout is always set, so a dead peer ends the job instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from sq.errors import DistError, SqError
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun (or a single process) tells us about this rank."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_from_torchrun(environ: dict[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's variables; (0, 1, 0) when absent."""
+    environ = os.environ if environ is None else environ
+    return (
+        int(environ.get("RANK", 0)),
+        int(environ.get("WORLD_SIZE", 1)),
+        int(environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def init_distributed(
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> DistEnv:
+    """Initialize the default process group from torchrun's environment.
+
+    NCCL on CUDA, gloo on CPU.  World size 1 without torchrun still gets a process group
+    (a private in-memory store), so FSDP2 and DeviceMesh work unchanged in one process.
+    A group that already exists (e.g. a training framework made it) is reused as is.
+    """
+    use_cuda = torch.cuda.is_available()
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = env_from_torchrun(environ)[2]
+    else:
+        rank, world, local_rank = env_from_torchrun(environ)
+        backend = backend or ("nccl" if use_cuda else "gloo")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world == 1 and "MASTER_ADDR" not in (os.environ if environ is None else environ):
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    if use_cuda and dist.get_backend() == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the world is split: experts across ``ep`` ranks, the rest data/FSDP parallel.
+
+    The mesh is 2-D ``(dp, ep)`` with ``dp * ep == world``.  Dense block weights are
+    FSDP2-sharded over the whole world (flattened mesh); routed experts are owned by
+    ``ep`` groups and their rows split across ``dp``.
+    """
+
+    world_size: int
+    ep: int = 1
+
+    def __post_init__(self):
+        if self.ep < 1:
+            raise SqError(f"--ep must be >= 1, got {self.ep}")
+        if self.world_size % self.ep:
+            raise SqError(f"--ep {self.ep} does not divide the world size {self.world_size}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.ep
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.dp, self.ep), mesh_dim_names=("dp", "ep"))
+
+
+def world_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh over every rank (dense FSDP2 sharding)."""
+    if mesh.ndim == 1:
+        return mesh
+    return mesh._flatten("world") if "world" not in (mesh.mesh_dim_names or ()) else mesh["world"]
+
+
+# ---------------------------------------------------------------- agreement helpers
+
+
+def all_ok(ok: bool, what: str) -> None:
+    """Every rank learns whether every rank is fine; a failure elsewhere raises here too.
+
+    Use it before a collective a failing rank would skip: all ranks call it with their
+    local verdict, so either all go on or all raise.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(ok))
+    bad = [r for r, f in enumerate(flags) if not f]
+    if bad and ok:
+        raise DistError(f"{what} failed on rank(s) {bad}")
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_min_int(value: int) -> int:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+# ---------------------------------------------------------------- logging
+
+
+class _RankFilter(logging.Filter):
+    """Let records through on rank 0, and warnings/errors on every rank."""
+
+    def __init__(self, rank: int, all_ranks: bool):
+        super().__init__()
+        self.rank, self.all_ranks = rank, all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return self.all_ranks or self.rank == 0 or record.levelno >= logging.WARNING
+
+
+def setup_logging(rank: int, *, level: int = logging.INFO, all_ranks: bool = False, log_file: str | None = None):
+    """Rank-aware logging for the ``sq`` logger tree: rank 0 by default, every rank on warnings."""
+    logger = logging.getLogger("sq")
+    logger.setLevel(level)
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    fmt = logging.Formatter("[sq r%(rank)d %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    stream = logging.StreamHandler()
+    stream.setFormatter(fmt)
+    stream.addFilter(_RankFilter(rank, all_ranks))
+    logger.addHandler(stream)
+    if log_file is not None:
+        os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(fmt)
+        fh.addFilter(_RankFilter(rank, True))
+        logger.addHandler(fh)
+    logger.propagate = False
+    return logger

@@ -1,0 +1,285 @@
+"""Checkpoint keys -> model keys, as data.
+
+Rules, in order; each model tensor takes at most one checkpoint key per region:
+
+1. ``exact``: the checkpoint key is a model key (or a tied alias of one).
+2. ``conversion``: transformers' own conversion mapping for this model
+   (``get_model_conversion_mapping``: ``WeightRenaming`` and ``WeightConverter``).  A converter
+   made of ``MergeModulelist`` / ``Concatenate`` places each per-expert checkpoint tensor in a
+   box of the fused parameter; the box is computed from the expert index in the key, never
+   from the order keys arrive in, so a missing expert is refused by name instead of shifting
+   the others into its slot.
+3. ``suffix``: the longest unique trailing-component suffix (a VLM nests the language model
+   under another prefix).  Only leading components without digits may be dropped, so
+   ``model.layers.61.shared_head.norm.weight`` (DeepSeek MTP) can never land on
+   ``model.norm.weight``; a suffix several model keys share is ambiguous and left unmapped.
+
+Keys that no rule maps are *carried over* (copied raw by the exporter).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from sq.load.source import TensorInfo
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Checkpoint tensor ``ckpt_key`` fills the box ``offsets + shape`` of model tensor ``target``.
+
+    ``stack_dim`` is the target dimension the checkpoint tensor lacks (experts stacked by
+    ``MergeModulelist``); every other target dimension is a checkpoint dimension in order.
+    """
+
+    ckpt_key: str
+    target: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]  # extent in target coordinates (1 on stack_dim)
+    stack_dim: int | None = None
+    rule: str = "exact"
+
+
+@dataclass
+class KeyMap:
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)  # target -> pieces
+    carried: list[str] = field(default_factory=list)  # checkpoint keys with no slot
+    problems: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied alias -> canonical name
+
+    def ckpt_keys(self) -> set[str]:
+        return {p.ckpt_key for ps in self.pieces.values() for p in ps}
+
+    def rules(self) -> dict[str, str]:
+        """checkpoint key -> rule that mapped it (for tests and the report)."""
+        return {p.ckpt_key: p.rule for ps in self.pieces.values() for p in ps}
+
+
+def model_targets(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Fillable tensors of ``model``: unique parameters and persistent buffers, and tied aliases."""
+    targets: dict[str, tuple[int, ...]] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases[name] = seen[id(p)]
+            continue
+        seen[id(p)] = name
+        targets[name] = tuple(p.shape)
+    for mod_name, mod in model.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is None or bname in mod._non_persistent_buffers_set:
+                continue
+            targets[f"{mod_name}.{bname}" if mod_name else bname] = tuple(buf.shape)
+    return targets, aliases
+
+
+def _split_transforms(model: nn.Module):
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    try:
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # a model transformers has no mapping machinery for
+        transforms = []
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return renamings, converters
+
+
+def _legacy_regex_renames(model: nn.Module) -> list[tuple[re.Pattern, str]]:
+    """Older models' ``_checkpoint_conversion_mapping`` (regex -> replacement)."""
+    mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+    return [(re.compile(k), v) for k, v in mapping.items()]
+
+
+def _pattern_index_regex(pattern: str) -> re.Pattern:
+    """``mlp.experts.*.gate_proj.weight`` -> regex capturing the expert index."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + r"(?!\w)")
+
+
+def _has_digit_component(parts: list[str]) -> bool:
+    return any(p.isdigit() for p in parts)
+
+
+class _SuffixIndex:
+    def __init__(self, names):
+        self.index: dict[str, set[str]] = defaultdict(set)
+        for n in names:
+            parts = n.split(".")
+            for i in range(len(parts)):
+                self.index[".".join(parts[i:])].add(n)
+
+    def lookup(self, key: str) -> str | None:
+        parts = key.split(".")
+        for i in range(1, len(parts) - 1):  # keep at least two components
+            if _has_digit_component(parts[:i]):
+                return None
+            found = self.index.get(".".join(parts[i:]))
+            if found:
+                return next(iter(found)) if len(found) == 1 else None
+        return None
+
+
+def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
+    """Map every checkpoint key to a box of a model tensor, or to ``carried``; collect problems."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, apply_renamings
+
+    targets, aliases = model_targets(model)
+    km = KeyMap(aliases=aliases)
+    pieces: dict[str, list[Piece]] = defaultdict(list)
+    unresolved: list[str] = []
+    converter_hits: dict[str, list[tuple[str, int, int]]] = defaultdict(list)  # target -> (key, pattern j, expert)
+
+    def canonical(name: str) -> str | None:
+        if name in targets:
+            return name
+        return aliases.get(name)
+
+    def full_piece(key: str, target: str, rule: str) -> Piece:
+        return Piece(key, target, (0,) * len(targets[target]), tuple(tensors[key].shape), None, rule)
+
+    # 1. exact
+    for key in sorted(tensors):
+        t = canonical(key)
+        if t is not None:
+            pieces[t].append(full_piece(key, t, "exact"))
+        else:
+            unresolved.append(key)
+
+    # 2. conversion mapping
+    renamings, converters = _split_transforms(model)
+    legacy = _legacy_regex_renames(model)
+    base_prefix = getattr(model, "base_model_prefix", "") or ""
+    still: list[str] = []
+    conv_of: dict[str, object] = {}
+    for key in unresolved:
+        renamed = apply_renamings(key, renamings) if renamings else key
+        for rx, repl in legacy:
+            renamed = rx.sub(repl, renamed)
+        converter, pattern = None, None
+        for conv in converters:
+            out, pat = conv.rename_source_key(renamed)
+            if pat is not None:
+                converter, pattern, target_name = conv, pat, out
+                break
+        if converter is None:
+            target_name = renamed
+        # transformers adds or strips the base-model prefix (loading a ForXxx from a bare model)
+        t = canonical(target_name)
+        if t is None and base_prefix:
+            if target_name.startswith(base_prefix + "."):
+                t = canonical(target_name[len(base_prefix) + 1:])
+            else:
+                t = canonical(f"{base_prefix}.{target_name}")
+        if t is None or (converter is None and renamed == key):
+            still.append(key)
+            continue
+        if converter is None:
+            pieces[t].append(full_piece(key, t, "conversion"))
+            continue
+        j = converter.source_patterns.index(pattern)
+        m = _pattern_index_regex(pattern).search(renamed) if "*" in pattern else None
+        expert = int(m.group(1)) if m else -1
+        converter_hits[t].append((key, j, expert))
+        conv_of[t] = converter
+
+    for t, hits in converter_hits.items():
+        conv = conv_of[t]
+        ops = list(getattr(conv, "operations", []))
+        kinds = [type(op) for op in ops]
+        merge = ops[0] if kinds[:1] == [MergeModulelist] else None
+        concat = ops[-1] if kinds and kinds[-1] is Concatenate else None
+        if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate], [Concatenate]):
+            km.problems.append(
+                f"{t}: checkpoint keys {hits[0][0]!r}... need conversion operations "
+                f"{[k.__name__ for k in kinds]}, which sq cannot read as slices; convert the checkpoint first")
+            continue
+        stack_dim = merge.dim if merge is not None else None
+        # extent of pattern j along the concat dim, in target coordinates
+        extent: dict[int, int] = {}
+        for key, j, _ in hits:
+            shape = list(tensors[key].shape)
+            if stack_dim is not None:
+                shape.insert(stack_dim, 1)
+            if concat is not None:
+                extent.setdefault(j, shape[concat.dim])
+        for key, j, expert in hits:
+            shape = list(tensors[key].shape)
+            if stack_dim is not None:
+                shape.insert(stack_dim, 1)
+            offsets = [0] * len(shape)
+            if stack_dim is not None:
+                offsets[stack_dim] = expert
+            if concat is not None:
+                offsets[concat.dim] = sum(extent.get(jj, 0) for jj in range(j))
+            pieces[t].append(Piece(key, t, tuple(offsets), tuple(shape), stack_dim, "conversion"))
+        # name every missing (pattern, expert) pair: never stack the rest into the wrong slots
+        if stack_dim is not None:
+            n_experts = targets[t][stack_dim]
+            have = {(j, e) for _, j, e in hits}
+            example = {j: (k, e) for k, j, e in hits}
+            for j, pat in enumerate(conv.source_patterns):
+                if j not in example:
+                    km.problems.append(f"{t}: no checkpoint key matches {pat!r}")
+                    continue
+                k0, e0 = example[j]
+                for e in range(n_experts):
+                    if (j, e) not in have:
+                        mm = _pattern_index_regex(pat).search(k0)
+                        missing = k0[:mm.start(1)] + str(e) + k0[mm.end(1):] if mm else f"{pat} (expert {e})"
+                        km.problems.append(
+                            f"{t}: expert {e} has no checkpoint tensor {missing!r} (pattern {pat!r}); "
+                            f"refusing to stack the other experts into its slot")
+
+    # 3. longest unique suffix (on the renamed key as well as the raw one)
+    suffix = _SuffixIndex(targets)
+    for key in still:
+        renamed = apply_renamings(key, renamings) if renamings else key
+        t = None
+        for cand in dict.fromkeys([renamed, key]):
+            t = suffix.lookup(cand)
+            if t is not None:
+                break
+        if t is None or pieces.get(t):
+            km.carried.append(key)
+            continue
+        pieces[t].append(full_piece(key, t, "suffix"))
+
+    km.pieces = dict(pieces)
+    _check_pieces(km, targets, tensors)
+    return km
+
+
+def _check_pieces(km: KeyMap, targets: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo]) -> None:
+    """Shapes fit, boxes do not overlap, every box lands inside its target."""
+    for t, ps in km.pieces.items():
+        shape = targets[t]
+        for p in ps:
+            src = tuple(tensors[p.ckpt_key].shape)
+            if len(p.lengths) != len(shape) or any(o + n > s for o, n, s in zip(p.offsets, p.lengths, shape)):
+                where = "" if all(o == 0 for o in p.offsets) else f" at offset {list(p.offsets)}"
+                km.problems.append(
+                    f"shape mismatch: checkpoint {p.ckpt_key!r} is {list(src)} ({tensors[p.ckpt_key].file}) but "
+                    f"model {t!r} is {list(shape)}{where}")
+            elif p.stack_dim is None and len(ps) == 1 and tuple(p.lengths) != shape:
+                km.problems.append(
+                    f"shape mismatch: checkpoint {p.ckpt_key!r} is {list(src)} ({tensors[p.ckpt_key].file}) but "
+                    f"model {t!r} is {list(shape)}")
+        boxes = sorted(ps, key=lambda p: p.offsets)
+        for a_i, a in enumerate(boxes):
+            for b in boxes[a_i + 1:]:
+                if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in
+                       zip(a.offsets, a.lengths, b.offsets, b.lengths)):
+                    km.problems.append(f"{a.ckpt_key!r} and {b.ckpt_key!r} both fill the same part of {t!r}")
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,231 @@
+"""Plan, refuse, shard and fill: the sharded loader's public steps.
+
+    model = build_skeleton(dir)                 # meta
+    plan = plan_load(model, dir)                # mapping + every refusal; model untouched
+    apply_parallel(model, mesh)                 # FSDP2 / EP, still meta
+    fill(model, plan, plan.root_names)          # materialize + DCP-fill this rank's shards
+    fill(model, plan, plan.block_names[b]); ...; free(model, plan, plan.block_names[b])
+
+``load_sharded`` runs all of it for the whole model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sq.dist import ParallelDims, all_ok
+from sq.errors import LoadRefused
+from sq.load.fill import SqStorageReader, dcp_read, module_of, requests_for, set_device
+from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
+from sq.load.meta import build_skeleton, config_problems, decoder_blocks
+from sq.load.source import CheckpointSource, scan_checkpoint
+from sq.parallel.fsdp import apply_parallel, root_param_problems
+
+logger = logging.getLogger(__name__)
+
+MIN_COVERAGE = 0.5  # below this fraction of parameters filled, the key scheme was not understood
+QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class LoadPlan:
+    """Everything decided before any tensor is materialized; identical on every rank."""
+
+    source: CheckpointSource
+    keymap: KeyMap
+    targets: dict[str, tuple[int, ...]]
+    block_prefixes: list[str]
+    block_names: list[list[str]]
+    root_names: list[str]
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # recomputed non-persistent buffers
+    _reader: SqStorageReader | None = None
+    state: dict[str, str] = field(default_factory=dict)  # target -> "meta" | "empty" | "filled"
+
+    @property
+    def carried(self) -> list[str]:
+        return self.keymap.carried
+
+    def reader(self) -> SqStorageReader:
+        if self._reader is None:
+            self._reader = SqStorageReader(self.source)
+        return self._reader
+
+    def check_filled(self, names) -> None:
+        """Raise if any named tensor was materialized (or re-emptied) and not filled since."""
+        bad = [n for n in names if self.state.get(n) != "filled"]
+        if bad:
+            raise LoadRefused([f"{n} is {self.state.get(n, 'meta')}, not filled from the checkpoint" for n in bad])
+
+
+def _fresh_buffers(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Non-persistent buffers (rotary ``inv_freq``) recomputed by a fresh CPU instance of their module.
+
+    After ``to_empty`` they hold garbage, and the checkpoint does not store them.
+    """
+    out, problems = {}, []
+    parents = {}
+    for name, mod in model.named_modules():
+        for cname, child in mod.named_children():
+            parents[child] = mod
+    for name, mod in model.named_modules():
+        nonpers = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
+        if not nonpers:
+            continue
+        cfg, m = getattr(mod, "config", None), mod
+        while cfg is None and m in parents:
+            m = parents[m]
+            cfg = getattr(m, "config", None)
+        fresh = None
+        with torch.device("cpu"):
+            for make in (lambda: type(mod)(config=cfg, device="cpu"), lambda: type(mod)(cfg)):
+                try:
+                    fresh = make()
+                    break
+                except Exception:
+                    continue
+        if fresh is None:
+            problems.append(f"cannot recompute non-persistent buffer(s) {nonpers} of {name} "
+                            f"({type(mod).__name__}); they are not in the checkpoint")
+            continue
+        for b in nonpers:
+            out[f"{name}.{b}" if name else b] = fresh._buffers[b].detach().clone()
+    return out, problems
+
+
+def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_remote_code: bool = False,
+              allow_quantized: bool = False) -> LoadPlan:
+    """Map keys and run every refusal; raise ``LoadRefused`` listing all problems. Mutates nothing."""
+    if not isinstance(source, CheckpointSource):
+        source = scan_checkpoint(source)
+    problems = list(source.problems)
+    problems += config_problems(source.config, source.root, trust_remote_code=trust_remote_code,
+                                allow_quantized=allow_quantized)
+    if not allow_quantized:
+        qt = sorted(k for k, t in source.tensors.items() if t.dtype in QUANTIZED_DTYPES)
+        if qt:
+            problems.append(f"{len(qt)} checkpoint tensors hold int/fp8 data (e.g. {qt[0]!r} "
+                            f"{source.tensors[qt[0]].dtype} in {source.tensors[qt[0]].file}): already quantized")
+    problems += root_param_problems(model)
+    targets, aliases = model_targets(model)
+    keymap = build_keymap(model, source.tensors)
+    problems += keymap.problems
+
+    filled_numel = 0
+    for t, shape in targets.items():
+        ps = keymap.pieces.get(t, [])
+        covered = sum(numel(p.lengths) for p in ps)
+        filled_numel += min(covered, numel(shape))
+        if not ps:
+            kind = "buffer" if t not in dict(model.named_parameters()) else "parameter"
+            problems.append(f"model {kind} {t!r} {list(shape)} has no checkpoint key"
+                            + (" (a persistent buffer the checkpoint cannot fill)" if kind == "buffer" else ""))
+        elif covered < numel(shape) and not any(t in p for p in keymap.problems):
+            problems.append(f"model tensor {t!r} {list(shape)} is only partly filled: {covered} of "
+                            f"{numel(shape)} elements from {len(ps)} checkpoint keys")
+    total = sum(numel(s) for s in targets.values())
+    if total and filled_numel / total < MIN_COVERAGE:
+        problems.append(f"only {100 * filled_numel / total:.1f}% of the model's {total} parameter elements map to "
+                        f"checkpoint keys: the key scheme is not understood (checkpoint keys look like "
+                        f"{sorted(source.tensors)[:2]}, model keys like {sorted(targets)[:2]})")
+    both = keymap.ckpt_keys() & set(keymap.carried)
+    if both:
+        problems.append(f"checkpoint tensors both filled and carried over: {sorted(both)[:5]}")
+    buffers, buf_problems = _fresh_buffers(model)
+    problems += buf_problems
+    if problems:
+        raise LoadRefused(problems)
+
+    blocks = decoder_blocks(model)
+    prefixes = [name for name, _ in blocks]
+    block_names = [[t for t in targets if t.startswith(p + ".")] for p in prefixes]
+    in_blocks = {t for names in block_names for t in names}
+    root_names = [t for t in targets if t not in in_blocks]
+    state = {t: "meta" for t in targets}
+    return LoadPlan(source, keymap, targets, prefixes, block_names, root_names, buffers, state=state)
+
+
+def _retie(model: nn.Module, plan: LoadPlan, names) -> None:
+    """Point tied aliases (``lm_head.weight``) back at their canonical parameter after a swap."""
+    names = set(names)
+    for alias, canon in plan.keymap.aliases.items():
+        if canon in names:
+            src_mod, src_leaf = module_of(model, canon)
+            mod, leaf = module_of(model, alias)
+            mod._parameters[leaf] = src_mod._parameters[src_leaf]
+
+
+def _expand_to_modules(model: nn.Module, plan: LoadPlan, names) -> list[str]:
+    """Materialization is per module: include every target of the modules that own ``names``."""
+    leaves = {module_of(model, n)[0] for n in names}
+    return [t for t in plan.targets if module_of(model, t)[0] in leaves]
+
+
+@torch.no_grad()
+def fill(model: nn.Module, plan: LoadPlan, names, *, device: torch.device | str = "cpu") -> None:
+    """Materialize and DCP-fill this rank's shards of ``names`` (collective: same names on every rank)."""
+    names = _expand_to_modules(model, plan, names)
+    set_device(model, names, device)
+    _retie(model, plan, names)
+    for n in names:
+        plan.state[n] = "empty"
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    requests, short = [], []
+    for n in names:
+        t = params[n] if n in params else buffers[n]
+        reqs, covered = requests_for(t, plan.keymap.pieces[n])
+        requests += reqs
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if covered != local.numel():
+            short.append(f"{n}: {covered} of {local.numel()} local elements covered")
+    all_ok(not short, "shard coverage check")
+    if short:
+        raise LoadRefused(short)
+    dcp_read(plan.source, requests, reader=plan.reader())
+    for n in names:
+        plan.state[n] = "filled"
+    # non-persistent buffers of the touched modules: recompute, never trust to_empty's garbage
+    leaves = {module_of(model, n)[0] for n in names}
+    for bname, value in plan.buffers.items():
+        mod, leaf = module_of(model, bname)
+        if mod in leaves or mod._buffers[leaf].device.type == "meta":
+            mod._buffers[leaf] = value.to(device)
+
+
+@torch.no_grad()
+def free(model: nn.Module, plan: LoadPlan, names) -> None:
+    """Release the named tensors' memory back to meta."""
+    names = _expand_to_modules(model, plan, names)
+    set_device(model, names, "meta")
+    _retie(model, plan, names)
+    for n in names:
+        plan.state[n] = "meta"
+
+
+def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: torch.dtype | None = None,
+                 trust_remote_code: bool = False, device: torch.device | str | None = None) -> nn.Module:
+    """Build, plan, shard and fill the whole model inside an initialized process group.
+
+    Returns the model with DTensor parameters (this rank's shards filled); ``model.sq_plan``
+    holds the ``LoadPlan`` (carried-over keys, block names) for the steps that follow.
+    """
+    if not dist.is_initialized():
+        raise LoadRefused("load_sharded needs an initialized process group (sq.dist.init_distributed())")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    model = build_skeleton(checkpoint_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    plan = plan_load(model, checkpoint_dir, trust_remote_code=trust_remote_code)
+    if mesh is None:
+        mesh = ParallelDims(dist.get_world_size(), ep).build_mesh(torch.device(device).type)
+    apply_parallel(model, mesh)
+    fill(model, plan, plan.root_names, device=device)
+    for names in plan.block_names:
+        fill(model, plan, names, device=device)
+    model.sq_plan = plan
+    return model

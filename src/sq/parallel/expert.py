@@ -1,0 +1,90 @@
+"""Expert parallelism for transformers' fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
+
+Under ``--ep E`` the experts are split by index across the ``ep`` mesh dimension and each
+expert's rows across ``dp``: placements ``(Shard(1), Shard(0))`` on the ``(dp, ep)`` mesh, so
+every rank holds ``1 / world`` of every block's expert weights and reads only that.
+
+The forward (calibration only, no autograd) gathers the tokens of the ep group, runs them
+through this rank's experts (rows gathered within dp, one expert at a time), and sums the
+partial outputs across the ep group; each rank keeps its own tokens' rows.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def expert_placements():
+    return (Shard(1), Shard(0))  # (dp: rows, ep: experts)
+
+
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """Turn the fused expert parameters (still on meta) into DTensors on the (dp, ep) mesh."""
+    for name in EXPERT_PARAMS:
+        p = experts._parameters.get(name)
+        if p is None or isinstance(p, DTensor):
+            continue
+        dt = distribute_tensor(p.data, mesh, expert_placements(), src_data_rank=None)
+        experts._parameters[name] = nn.Parameter(dt, requires_grad=False)
+    experts._sq_ep_mesh = mesh
+    experts.forward = types.MethodType(_ep_forward, experts)
+
+
+def local_expert_range(n_experts: int, mesh: DeviceMesh) -> range:
+    """Experts this rank's ep coordinate owns (torch.chunk split, as DTensor's Shard(0))."""
+    ep, r = mesh.size(1), mesh.get_local_rank(1)
+    size = -(-n_experts // ep)
+    return range(min(r * size, n_experts), min((r + 1) * size, n_experts))
+
+
+def _gather_rows(local: torch.Tensor, group) -> torch.Tensor:
+    """All-gather uneven row shards (dim 1) within the dp group."""
+    if dist.get_world_size(group) == 1:
+        return local
+    sizes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, local.shape[1], group=group)
+    parts = [local.new_empty(local.shape[0], s, *local.shape[2:]) for s in sizes]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+@torch.no_grad()
+def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    mesh: DeviceMesh = self._sq_ep_mesh
+    ep_group, dp_group = mesh.get_group("ep"), mesh.get_group("dp")
+    ep = dist.get_world_size(ep_group)
+    n_local_tokens = hidden_states.shape[0]
+    # [T, H] per ep rank -> all tokens of the group, in rank order
+    counts = [None] * ep
+    dist.all_gather_object(counts, n_local_tokens, group=ep_group)
+    width = hidden_states.shape[1]
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        parts = [t.new_empty(c, *t.shape[1:]) for c in counts]
+        dist.all_gather(parts, t.contiguous(), group=ep_group)
+        return torch.cat(parts)
+
+    h_all, idx_all, w_all = gather(hidden_states), gather(top_k_index), gather(top_k_weights)
+    out = torch.zeros(h_all.shape[0], width, dtype=hidden_states.dtype, device=hidden_states.device)
+    experts = local_expert_range(self.num_experts, mesh)
+    gate_up = _gather_rows(self.gate_up_proj.to_local(), dp_group)
+    down = _gather_rows(self.down_proj.to_local(), dp_group)
+    for i, e in enumerate(experts):
+        token_idx, pos = torch.where(idx_all == e)
+        if token_idx.numel() == 0:
+            continue
+        x = h_all[token_idx]
+        gate, up = nn.functional.linear(x, gate_up[i]).chunk(2, dim=-1)
+        y = nn.functional.linear(self.act_fn(gate) * up, down[i])
+        out.index_add_(0, token_idx, (y * w_all[token_idx, pos, None]).to(out.dtype))
+    dist.all_reduce(out, group=ep_group)
+    start = sum(counts[: mesh.get_local_rank(1)])
+    return out[start:start + n_local_tokens]

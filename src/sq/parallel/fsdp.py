@@ -1,0 +1,46 @@
+"""FSDP2 over a meta model: one unit per decoder block, the root holding the rest.
+
+Every block weight is sharded on dim 0 over every rank: output rows of a Linear, and the
+expert index of a fused ``[E, out, in]`` expert tensor, so with ``ep == 1`` each rank holds
+whole experts (an uneven split is fine on dim 0; FSDP2 refuses uneven splits on other
+dims).  With ``ep > 1`` experts become (dp, ep) DTensors (``sq.parallel.expert``) that FSDP2
+ignores: split by index across ``ep`` and by rows across ``dp``.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from sq.dist import world_mesh
+from sq.errors import LoadRefused
+from sq.load.meta import decoder_blocks, experts_modules
+from sq.parallel.expert import shard_experts
+
+
+def root_param_problems(model: nn.Module) -> list[str]:
+    """FSDP2 would fold parameters held directly by the root into the root unit unseen."""
+    own = [n for n, p in model._parameters.items() if p is not None]
+    return [f"the root module {type(model).__name__} holds parameters directly ({', '.join(own)}); "
+            "sq shards the decoder blocks and the root's submodules, not bare root parameters"] if own else []
+
+
+def apply_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard a meta model in place: EP on experts (if the mesh has ep > 1), FSDP2 on blocks and root."""
+    problems = root_param_problems(model)
+    if problems:
+        raise LoadRefused(problems)
+    flat = world_mesh(mesh)
+    ep = mesh.size(1) if mesh.ndim == 2 else 1
+
+    for _, block in decoder_blocks(model):
+        ignored = set()
+        experts = experts_modules(block)
+        if ep > 1:
+            for _, ex in experts:
+                shard_experts(ex, mesh)
+                ignored.update(p for p in ex.parameters(recurse=False))
+        fully_shard(block, mesh=flat, reshard_after_forward=True, ignored_params=ignored or None)
+    fully_shard(model, mesh=flat, reshard_after_forward=True)
+    return model
