@@ -208,6 +208,16 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
                 shape.insert(stack_dim, 1)
             if concat is not None:
                 extent.setdefault(j, shape[concat.dim])
+        # every expert of pattern j must have the same shape: name the odd ones out
+        by_pattern: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+        for key, j, _ in hits:
+            by_pattern[j].append(tuple(tensors[key].shape))
+        usual = {j: max(set(shapes), key=shapes.count) for j, shapes in by_pattern.items()}
+        for key, j, _ in hits:
+            if tuple(tensors[key].shape) != usual[j]:
+                km.problems.append(
+                    f"shape mismatch: checkpoint {key!r} is {list(tensors[key].shape)} ({tensors[key].file}) but "
+                    f"the other experts' are {list(usual[j])} (model {t!r} is {list(targets[t])})")
         for key, j, expert in hits:
             shape = list(tensors[key].shape)
             if stack_dim is not None:

@@ -1,0 +1,59 @@
+"""Process memory from /proc (Linux): current and peak RSS, private vs file-backed.
+
+``ru_maxrss`` survives ``execve`` (a spawned rank inherits its parent's peak), so peaks come
+from ``VmHWM``, which belongs to this address space and can be reset through ``clear_refs``.
+safetensors maps files: their pages count in RSS as file-backed (shared page cache), so the
+breakdown reports ``RssAnon`` (private) and ``RssFile`` separately.
+"""
+
+from __future__ import annotations
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def rss_bytes() -> int:
+    return _status().get("VmRSS", 0)
+
+
+def peak_rss_bytes() -> int:
+    return _status().get("VmHWM", 0)
+
+
+def rss_breakdown() -> dict[str, int]:
+    s = _status()
+    return {"rss": s.get("VmRSS", 0), "anon": s.get("RssAnon", 0), "file": s.get("RssFile", 0),
+            "peak": s.get("VmHWM", 0)}
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def io_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (page-cache hits are free)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
