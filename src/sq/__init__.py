@@ -4,4 +4,13 @@ from sq.errors import LoadRefused, SqError
 
 __version__ = "0.1.0"
 
-__all__ = ["LoadRefused", "SqError", "__version__"]
+__all__ = ["LoadRefused", "SqError", "__version__", "load_sharded"]
+
+
+def __getattr__(name):
+    # The loader pulls in torch.distributed and transformers: import it on first use only.
+    if name == "load_sharded":
+        from sq.load.loader import load_sharded
+
+        return load_sharded
+    raise AttributeError(f"module 'sq' has no attribute {name!r}")

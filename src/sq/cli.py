@@ -1,0 +1,37 @@
+"""What every sq command line shares: argparse that raises, and ``sq: error:`` on failure."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from sq.errors import SqError
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse that raises ``SqError`` instead of exiting, so bad flags read like every sq error."""
+
+    def error(self, message: str):
+        raise SqError(message)
+
+
+def run_cli(body: Callable[[], object]) -> int:
+    """Run ``body``; an ``SqError`` becomes one ``sq: error:`` line per problem and exit code 2.
+
+    The process group is torn down either way, so no rank lingers in a collective.
+    """
+    from sq.dist import destroy_distributed
+
+    try:
+        body()
+        return 0
+    except SqError as e:
+        for problem in e.problems:
+            print(f"sq: error: {problem}", file=sys.stderr)
+        return 2
+    finally:
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
