@@ -1,0 +1,214 @@
+"""Weight quantization schemes and their compressed-tensors form.
+
+A ``QuantScheme`` is a small frozen (hashable) value: it keys the export's config groups,
+goes into the resume signature and the report through ``to_dict`` / ``from_dict``, and is
+translated to compressed-tensors' own ``QuantizationScheme`` only at the export boundary.
+
+The presets match compressed-tensors' presets of the same name (``preset_name_to_scheme``):
+
+=============  =====================================================  ================
+name           weights                                                format
+=============  =====================================================  ================
+W4A16          int4 symmetric, group-wise (default group 128)         pack-quantized
+W4A16_ASYM     int4 asymmetric (int8-stored zero points), group-wise  pack-quantized
+W8A16          int8 symmetric, group-wise (the library preset is      pack-quantized
+               group 128, not per-channel)
+FP8_DYNAMIC    float8 e4m3 per output channel; activations float8     float-quantized
+               per token, dynamic
+=============  =====================================================  ================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sq.errors import SqError
+
+__all__ = [
+    "QuantScheme",
+    "SCHEME_NAMES",
+    "get_scheme",
+    "check_group_size",
+    "to_compressed_tensors",
+    "format_name",
+]
+
+_TYPES = ("int", "float")
+_STRATEGIES = ("group", "channel")
+_ACTIVATIONS = ("none", "fp8_dynamic_token")
+
+# float8 e4m3fn: the only float weight format sq writes.
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one Linear weight ``[out, in]`` is quantized.
+
+    Scales run along ``in`` (one per ``group_size`` columns, or one per row for
+    ``channel``), so every scheme is row-independent: a rank can quantize any subset of
+    output rows on its own.
+    """
+
+    name: str
+    num_bits: int
+    type: str = "int"  # "int" | "float"
+    symmetric: bool = True
+    strategy: str = "group"  # "group" | "channel"
+    group_size: int | None = 128  # None for "channel"
+    activations: str = "none"  # "none" | "fp8_dynamic_token"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"scheme name must be a non-empty string, got {self.name!r}")
+        if self.type not in _TYPES:
+            raise ValueError(f"scheme {self.name}: type must be one of {_TYPES}, got {self.type!r}")
+        if self.strategy not in _STRATEGIES:
+            raise ValueError(
+                f"scheme {self.name}: strategy must be one of {_STRATEGIES}, got {self.strategy!r}"
+            )
+        if self.activations not in _ACTIVATIONS:
+            raise ValueError(
+                f"scheme {self.name}: activations must be one of {_ACTIVATIONS}, "
+                f"got {self.activations!r}"
+            )
+        if isinstance(self.num_bits, bool) or not isinstance(self.num_bits, int):
+            raise ValueError(f"scheme {self.name}: num_bits must be an int, got {self.num_bits!r}")
+        if self.type == "int" and not 2 <= self.num_bits <= 8:
+            raise ValueError(f"scheme {self.name}: int weights need 2..8 bits, got {self.num_bits}")
+        if self.type == "float":
+            if self.num_bits != 8:
+                raise ValueError(
+                    f"scheme {self.name}: float weights are float8 e4m3 only, got {self.num_bits} bits"
+                )
+            if not self.symmetric:
+                raise ValueError(f"scheme {self.name}: float weights must be symmetric")
+        if self.strategy == "group":
+            if (
+                isinstance(self.group_size, bool)
+                or not isinstance(self.group_size, int)
+                or self.group_size <= 0
+            ):
+                raise ValueError(
+                    f"scheme {self.name}: strategy 'group' needs a positive int group_size, "
+                    f"got {self.group_size!r}"
+                )
+        elif self.group_size is not None:
+            raise ValueError(
+                f"scheme {self.name}: strategy 'channel' takes group_size=None, got {self.group_size!r}"
+            )
+        if self.activations == "fp8_dynamic_token" and self.type != "float":
+            raise ValueError(
+                f"scheme {self.name}: dynamic fp8 activations are only supported with fp8 weights"
+            )
+
+    # -- derived facts -------------------------------------------------------------------
+
+    @property
+    def qmin(self) -> float:
+        """Smallest quantized value (as compressed-tensors' ``calculate_range``)."""
+        return -FP8_MAX if self.type == "float" else float(-(1 << (self.num_bits - 1)))
+
+    @property
+    def qmax(self) -> float:
+        return FP8_MAX if self.type == "float" else float((1 << (self.num_bits - 1)) - 1)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """dtype of the quantized values before packing (int8 for any int width)."""
+        return torch.float8_e4m3fn if self.type == "float" else torch.int8
+
+    @property
+    def format(self) -> str:
+        return format_name(self)
+
+    def num_groups(self, in_features: int) -> int:
+        """Scale columns for a weight with ``in_features`` columns."""
+        return 1 if self.strategy == "channel" else in_features // self.group_size
+
+    # -- serialization -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantScheme:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown QuantScheme fields {unknown}")
+        return cls(**d)
+
+
+def _presets(group_size: int) -> dict[str, QuantScheme]:
+    return {
+        "W4A16": QuantScheme("W4A16", 4, "int", True, "group", group_size),
+        "W4A16_ASYM": QuantScheme("W4A16_ASYM", 4, "int", False, "group", group_size),
+        "W8A16": QuantScheme("W8A16", 8, "int", True, "group", group_size),
+        "FP8_DYNAMIC": QuantScheme(
+            "FP8_DYNAMIC", 8, "float", True, "channel", None, activations="fp8_dynamic_token"
+        ),
+    }
+
+
+SCHEME_NAMES: tuple[str, ...] = tuple(_presets(128))
+
+
+def get_scheme(name: str, group_size: int = 128) -> QuantScheme:
+    """The preset ``name`` (case-insensitive); ``group_size`` is ignored by per-channel FP8."""
+    key = str(name).upper()
+    if key not in SCHEME_NAMES:
+        raise SqError(f"unknown scheme {name!r}; choose one of {', '.join(SCHEME_NAMES)}")
+    if key != "FP8_DYNAMIC" and (
+        isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
+    ):
+        raise SqError(f"scheme {key}: group size must be a positive integer, got {group_size!r}")
+    return _presets(group_size)[key]
+
+
+def check_group_size(layer_name: str, in_features: int, scheme: QuantScheme) -> None:
+    """Refuse a layer whose input width the scheme's groups do not tile exactly.
+
+    compressed-tensors (and vLLM's kernels) need ``in_features % group_size == 0``;
+    a ragged last group would be silently mis-shaped on load.
+    """
+    if scheme.strategy == "group" and in_features % scheme.group_size != 0:
+        raise SqError(
+            f"{layer_name}: group size {scheme.group_size} does not divide in_features "
+            f"{in_features} (scheme {scheme.name}); pick a group size that divides "
+            f"{in_features}, or add the layer to --ignore"
+        )
+
+
+def format_name(scheme: QuantScheme) -> str:
+    """compressed-tensors format the export writes: packed ints or plain fp8."""
+    return "float-quantized" if scheme.type == "float" else "pack-quantized"
+
+
+def to_compressed_tensors(scheme: QuantScheme, targets: list[str]):
+    """The library's ``QuantizationScheme`` for ``targets`` (with ``format`` filled in)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = QuantizationArgs(
+        num_bits=scheme.num_bits,
+        type=scheme.type,
+        symmetric=scheme.symmetric,
+        strategy=scheme.strategy,
+        group_size=scheme.group_size,
+        dynamic=False,
+    )
+    inputs = None
+    if scheme.activations == "fp8_dynamic_token":
+        inputs = QuantizationArgs(
+            num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True
+        )
+    return QuantizationScheme(
+        targets=list(targets),
+        weights=weights,
+        input_activations=inputs,
+        format=format_name(scheme),
+    )
