@@ -1,0 +1,490 @@
+"""Tiny random Hugging Face checkpoints: test fixtures and benchmark inputs.
+
+Every builder ``build_<name>(out_dir, *, seed=0, dtype=torch.float32, shards=4, **config)``
+writes a complete checkpoint folder the way the Hub ships one: ``config.json``,
+``generation_config.json``, several ``model-XXXXX-of-YYYYY.safetensors`` shards plus
+``model.safetensors.index.json``, and a real byte-level BPE tokenizer trained on the
+embedded corpus.  Keyword arguments override the config (sizes); ``vocab_size`` also sets
+the tokenizer's vocabulary.  Weights come from transformers' own init under
+``torch.manual_seed(seed)``; constant tensors (norm weights all ones, zero biases, the
+DeepSeek router bias) are then perturbed, so a loader that puts a tensor in the wrong slot
+or leaves one at its default shows up as a value mismatch instead of passing by accident.
+
+On-disk key layouts (transformers 5.24, ``save_pretrained``):
+
+- ``llama``: ``model.layers.{i}.mlp.gate_proj.weight``..., tied: no ``lm_head.weight``.
+- ``qwen3_moe``: per-expert ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``
+  (the default ``save_original_format=True`` reverts transformers' fusion).
+- ``qwen3_moe_fused``: ``model.layers.{i}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
+  ``...experts.down_proj`` ``[E, H, I]`` (``save_original_format=False``).
+- ``mixtral``: ``model.layers.{i}.block_sparse_moe.experts.{e}.w{1,2,3}.weight`` and
+  ``...block_sparse_moe.gate.weight`` (in memory: ``mlp.experts.gate_up_proj``, ``mlp.gate``).
+- ``deepseek_v3``: per-expert layout plus a hand-made MTP layer ``model.layers.{L}.*``
+  (``L = num_hidden_layers``) in its own last shard.
+- ``vlm``: Qwen2-VL; disk ``model.layers.{i}...`` / ``visual...``, memory
+  ``model.language_model.layers.{i}...`` / ``model.visual...``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sq.calib.data import builtin_pydoc_text
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+BOS, EOS = "<s>", "</s>"
+
+# Tiny shapes shared by the text models: fast on CPU, yet dimensions distinct enough that a
+# transposed or swapped tensor fails the shape check (hidden 64, intermediate 128, expert
+# intermediate 48: gate_up [E, 96, 64], down [E, 64, 48]).
+_TEXT = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=1024,
+)
+_MOE = dict(_TEXT, num_experts_per_tok=2, moe_intermediate_size=48)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Train a byte-level BPE on the embedded corpus; cached so fixtures train once per size.
+
+    Returns the serialized ``tokenizer.json`` (an immutable string, so the cache hands out no
+    shared mutable object).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([builtin_pydoc_text()], trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"tokenizer trained to {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    return tok.to_str()
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> Path:
+    """Save a ``PreTrainedTokenizerFast`` (tokenizer.json + tokenizer_config.json) to ``out_dir``.
+
+    Special tokens: ``<s>`` = id 0 (bos), ``</s>`` = id 1 (eos); byte-level, so no unknown token.
+    ``vocab_size`` counts special tokens and the 256 byte symbols, so it must be > 258.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    tok = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- common build
+
+
+def _perturb_constants(model: torch.nn.Module, seed: int) -> None:
+    """Add noise to every constant float tensor (norms = 1, biases = 0, router biases = 0).
+
+    Persistent buffers are included (they are checkpoint tensors too); a separate generator
+    keeps the init stream of transformers untouched.
+    """
+    gen = torch.Generator().manual_seed(seed + 1)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for tensor in model.state_dict(keep_vars=True).values():
+            if id(tensor) in seen or not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            seen.add(id(tensor))
+            first = tensor.reshape(-1)[0]
+            if not bool((tensor == first).all()):
+                continue
+            scale = 0.1 if float(first) != 0.0 else 0.02
+            noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32) * scale
+            tensor.add_(noise.to(tensor.dtype))
+
+
+def _state_bytes(model: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _build(
+    out_dir: Path,
+    model_type: str,
+    config: dict,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    shards: int,
+    image_text: bool = False,
+    save_original_format: bool = True,
+) -> tuple[Path, object]:
+    """Random model from a config -> sharded safetensors + tokenizer; returns (dir, config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **config)
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=dtype)
+    _perturb_constants(model, seed)
+    # transformers fills shards greedily up to max_shard_size, so total/shards gives
+    # about `shards` files (a single tensor bigger than the limit gets its own file).
+    max_shard = max(1, math.ceil(_state_bytes(model) / max(1, shards)))
+    model.save_pretrained(out_dir, max_shard_size=max_shard, save_original_format=save_original_format)
+    text_cfg = cfg.get_text_config()
+    build_tokenizer(out_dir, text_cfg.vocab_size)
+    logger.debug("built %s fixture in %s", model_type, out_dir)
+    return out_dir, cfg
+
+
+def _text_kwargs(overrides: dict, defaults: dict) -> dict:
+    # bos/eos follow the fixture tokenizer (ids 0 and 1), so generation and the config agree.
+    return dict(defaults, bos_token_id=0, eos_token_id=1, pad_token_id=None) | overrides
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def build_llama(
+    out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
+) -> Path:
+    """Dense Llama with tied embeddings (no ``lm_head.weight`` on disk); ``LlamaForCausalLM``."""
+    kwargs = _text_kwargs(config, dict(_TEXT, num_hidden_layers=3, tie_word_embeddings=True))
+    return _build(out_dir, "llama", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
+
+
+def build_qwen3_moe(
+    out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
+) -> Path:
+    """Qwen3-MoE, every layer sparse, 8 experts top-2, saved in the per-expert Hub layout."""
+    defaults = dict(_MOE, num_experts=8, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16)
+    kwargs = _text_kwargs(config, defaults)
+    return _build(out_dir, "qwen3_moe", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
+
+
+def build_qwen3_moe_fused(
+    out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
+) -> Path:
+    """The ``qwen3_moe`` model saved in transformers' fused layout (``save_original_format=False``).
+
+    Same seed -> same weights as :func:`build_qwen3_moe`, only the disk layout differs.
+    """
+    defaults = dict(_MOE, num_experts=8, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16)
+    kwargs = _text_kwargs(config, defaults)
+    return _build(
+        out_dir, "qwen3_moe", kwargs, seed=seed, dtype=dtype, shards=shards, save_original_format=False
+    )[0]
+
+
+def build_mixtral(
+    out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
+) -> Path:
+    """Mixtral, 4 experts top-2; disk keys ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``.
+
+    transformers 5.24 ``save_pretrained`` reverts its own renaming and writes this original
+    layout itself; the check below fails loudly should a future version stop doing so.
+    """
+    kwargs = _text_kwargs(config, dict(_MOE, num_local_experts=4, intermediate_size=48))
+    path = _build(out_dir, "mixtral", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
+    keys = read_index(path)
+    if not any(re.search(r"\.block_sparse_moe\.experts\.\d+\.w1\.weight$", k) for k in keys):
+        raise RuntimeError(f"{path}: save_pretrained no longer writes the Mixtral w1/w2/w3 layout")
+    return path
+
+
+def build_deepseek_v3(
+    out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
+) -> Path:
+    """DeepSeek-V3: MLA (q/kv LoRA), 1 dense layer then MoE with a shared expert, + an MTP layer.
+
+    3 decoder layers (``first_k_dense_replace=1``), 8 routed experts top-2 in 2 groups.  Like
+    the real checkpoint (layer 61 of 61), the multi-token-prediction layer is stored as
+    ``model.layers.{L}.*`` with ``L = num_hidden_layers``: a full MoE decoder layer plus
+    ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.{norm,head}``, in
+    its own last shard listed in the index.  ``DeepseekV3ForCausalLM`` has no slot for it.
+    """
+    defaults = dict(
+        _MOE,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
+    )
+    kwargs = _text_kwargs(config, defaults)
+    path, cfg = _build(out_dir, "deepseek_v3", kwargs, seed=seed, dtype=dtype, shards=shards)
+    _append_mtp_layer(path, cfg, dtype=dtype, seed=seed)
+    return path
+
+
+def build_vlm(
+    out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
+) -> Path:
+    """Qwen2-VL: a language model nested under another prefix in memory than on disk.
+
+    Loaded by ``AutoModelForImageTextToText`` -> ``Qwen2VLForConditionalGeneration``
+    (``AutoModelForCausalLM`` refuses this config in transformers 5.24).
+
+    ====================  ========================================  ============================
+    part                  on disk (Hub layout)                      in memory
+    ====================  ========================================  ============================
+    text decoder          ``model.layers.{i}.*``                    ``model.language_model.layers.{i}.*``
+    embeddings / norm     ``model.embed_tokens.weight``,            ``model.language_model.embed_tokens.weight``,
+                          ``model.norm.weight``                     ``model.language_model.norm.weight``
+    vision tower          ``visual.*``                              ``model.visual.*``
+    lm head               ``lm_head.weight``                        ``lm_head.weight``
+    ====================  ========================================  ============================
+
+    transformers maps these with its conversion mapping; a loader that does not know it must
+    find each disk key by its longest unique trailing suffix (``layers.0.mlp.up_proj.weight``).
+    ``config`` overrides go to ``text_config``.
+    """
+    text = _text_kwargs(config, dict(_TEXT))
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    # mrope splits head_dim/2 rotary frequencies over (time, height, width).
+    half = head_dim // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    text.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
+    vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2, patch_size=14)
+    top = dict(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        bos_token_id=text["bos_token_id"],
+        eos_token_id=text["eos_token_id"],
+        # special ids must lie inside the tiny vocabulary (defaults are ~151k)
+        image_token_id=text["vocab_size"] - 1,
+        video_token_id=text["vocab_size"] - 2,
+        vision_start_token_id=text["vocab_size"] - 3,
+        vision_end_token_id=text["vocab_size"] - 4,
+    )
+    return _build(out_dir, "qwen2_vl", top, seed=seed, dtype=dtype, shards=shards, image_text=True)[0]
+
+
+FIXTURES: dict[str, Callable[..., Path]] = {
+    "llama": build_llama,
+    "qwen3_moe": build_qwen3_moe,
+    "qwen3_moe_fused": build_qwen3_moe_fused,
+    "mixtral": build_mixtral,
+    "deepseek_v3": build_deepseek_v3,
+    "vlm": build_vlm,
+}
+
+
+# ----------------------------------------------------------------------------- MTP layer
+
+
+def _append_mtp_layer(path: Path, cfg, *, dtype: torch.dtype, seed: int) -> None:
+    """Write ``model.layers.{L}.*`` into a new last shard and renumber the shards to N+1."""
+    index = json.loads((path / INDEX_NAME).read_text())
+    weight_map: dict[str, str] = index["weight_map"]
+    n_layers = cfg.num_hidden_layers
+    last = f"model.layers.{n_layers - 1}."
+    shapes = {}
+    for key, fname in weight_map.items():
+        if key.startswith(last):
+            with safe_open(path / fname, "pt") as f:
+                shapes[f"model.layers.{n_layers}." + key[len(last) :]] = f.get_slice(key).get_shape()
+    h, v = cfg.hidden_size, cfg.vocab_size
+    mtp = f"model.layers.{n_layers}."
+    shapes |= {
+        mtp + "embed_tokens.weight": [v, h],
+        mtp + "enorm.weight": [h],
+        mtp + "hnorm.weight": [h],
+        mtp + "eh_proj.weight": [h, 2 * h],  # [hidden, cat(embedding, hidden state)]
+        mtp + "shared_head.norm.weight": [h],
+        mtp + "shared_head.head.weight": [v, h],
+    }
+    gen = torch.Generator().manual_seed(seed + 2)
+    tensors = {}
+    for key in sorted(shapes):
+        noise = torch.randn(shapes[key], generator=gen)
+        is_norm = key.endswith("norm.weight") or key.endswith("layernorm.weight")
+        tensors[key] = (1.0 + 0.1 * noise if is_norm else 0.02 * noise).to(dtype)
+
+    old_files = sorted(set(weight_map.values()))
+    total = len(old_files) + 1
+    renamed = {old: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, old in enumerate(old_files)}
+    for old, new in renamed.items():
+        (path / old).rename(path / new)
+    mtp_file = f"model-{total:05d}-of-{total:05d}.safetensors"
+    save_file(tensors, str(path / mtp_file), metadata={"format": "pt"})
+
+    index["weight_map"] = {k: renamed[f] for k, f in weight_map.items()} | {k: mtp_file for k in tensors}
+    meta = index.setdefault("metadata", {})
+    meta["total_size"] = meta.get("total_size", 0) + sum(t.numel() * t.element_size() for t in tensors.values())
+    if "total_parameters" in meta:
+        meta["total_parameters"] += sum(t.numel() for t in tensors.values())
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """``weight_map`` of a sharded checkpoint: tensor name -> shard file name."""
+    return json.loads((Path(path) / INDEX_NAME).read_text())["weight_map"]
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard the index names (tiny fixtures only: all in memory)."""
+    path = Path(path)
+    out = {}
+    for fname in sorted(set(read_index(path).values())):
+        with safe_open(path / fname, "pt") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
+_EXPERT_KEY = re.compile(r"^(?P<pre>.*)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+# disk expert projection -> (fused in-memory name, position inside gate_up)
+_EXPERT_PROJ = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}  # fmt: skip
+
+
+def _fuse_experts(disk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert disk tensors -> transformers' fused ones; other keys pass through renamed.
+
+    ``gate_up_proj[e]`` = cat(gate_e ``[I, H]``, up_e ``[I, H]``) -> ``[E, 2I, H]``;
+    ``down_proj[e]`` = down_e ``[H, I]`` -> ``[E, H, I]``.  Written independently of
+    transformers' conversion code so that the check below is a real cross-check.
+    """
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, list]] = {}
+    for key, tensor in disk.items():
+        key = key.replace(".block_sparse_moe.", ".mlp.")
+        m = _EXPERT_KEY.match(key)
+        if m is None or m["proj"] not in _EXPERT_PROJ:
+            out[key] = tensor
+            continue
+        fused, slot = _EXPERT_PROJ[m["proj"]]
+        parts = groups.setdefault(f"{m['pre']}.experts.{fused}", {}).setdefault(int(m["e"]), [None, None])
+        parts[slot] = tensor
+    for name, experts in groups.items():
+        order = sorted(experts)
+        if order != list(range(len(order))):
+            raise AssertionError(f"{name}: experts {order} are not 0..E-1")
+        if name.endswith("gate_up_proj"):
+            out[name] = torch.stack([torch.cat(experts[e], dim=0) for e in order])  # [E, 2I, H]
+        else:
+            out[name] = torch.stack([experts[e][0] for e in order])  # [E, H, I]
+    return out
+
+
+def _suffix_match(key: str, model_keys: list[str]) -> str | None:
+    """The model key matched by the longest trailing-component suffix of ``key`` matching one key."""
+    parts = key.split(".")
+    for start in range(len(parts)):
+        suffix = ".".join(parts[start:])
+        hits = [m for m in model_keys if m == suffix or m.endswith("." + suffix)]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            return None  # shorter suffixes only match more keys
+    return None
+
+
+def mtp_keys(keys, num_hidden_layers: int) -> list[str]:
+    """Checkpoint keys of layers past the model's last decoder layer (DeepSeek MTP)."""
+    pattern = re.compile(r"^model\.layers\.(\d+)\.")
+    return sorted(k for k in keys if (m := pattern.match(k)) and int(m[1]) >= num_hidden_layers)
+
+
+def load_with_transformers(path: Path, dtype: torch.dtype | str = "auto"):
+    """Load a checkpoint with the Auto class its config asks for (VLMs: image-text-to-text)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = AutoConfig.from_pretrained(path)
+    archs = getattr(cfg, "architectures", None) or []
+    image_text = any("ConditionalGeneration" in a for a in archs)
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=dtype)
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Load ``path`` with transformers and check every tensor equals the saved safetensors value.
+
+    Disk keys are mapped to model keys by: exact name; per-expert -> fused stacking
+    (``_fuse_experts``, Mixtral ``w1/w3/w2`` and ``block_sparse_moe`` included); then the
+    longest unique suffix (VLM prefixes).  MTP layers (``model.layers.{>= L}``) are skipped.
+    Every model tensor must be filled (a tied ``lm_head`` counts through its embedding), every
+    remaining disk tensor must land somewhere, values must match bit for bit.
+
+    Raises:
+        AssertionError: naming every mismatched, missing or unmapped key.
+    """
+    path = Path(path)
+    model = load_with_transformers(path)
+    state = model.state_dict()
+    text_cfg = model.config.get_text_config()
+    disk = read_tensors(path)
+    skipped = set(mtp_keys(disk, text_cfg.num_hidden_layers))
+    fused = _fuse_experts({k: v for k, v in disk.items() if k not in skipped})
+
+    model_keys = list(state)
+    problems: list[str] = []
+    filled: dict[str, str] = {}
+    for key, tensor in fused.items():
+        target = key if key in state else _suffix_match(key, model_keys)
+        if target is None:
+            problems.append(f"{path}: disk tensor {key} has no unique model slot")
+            continue
+        if target in filled:
+            problems.append(f"{path}: {key} and {filled[target]} both map to {target}")
+            continue
+        filled[target] = key
+        have = state[target]
+        if have.shape != tensor.shape or have.dtype != tensor.dtype:
+            problems.append(
+                f"{path}: {key} {tuple(tensor.shape)} {tensor.dtype} -> {target} {tuple(have.shape)} {have.dtype}"
+            )
+        elif not torch.equal(have, tensor):
+            err = (have.float() - tensor.float()).abs().max().item()
+            problems.append(f"{path}: {key} -> {target} differs (max abs {err:.3g})")
+    filled_ptrs = {state[k].data_ptr() for k in filled}
+    for key in model_keys:
+        if key not in filled and state[key].data_ptr() not in filled_ptrs:
+            problems.append(f"{path}: model tensor {key} is not in the checkpoint")
+    if problems:
+        raise AssertionError("\n".join(problems))

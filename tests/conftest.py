@@ -1,0 +1,78 @@
+"""Shared pytest fixtures: tiny random checkpoints (built once per session) and the real model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from sq.testing.checkpoints import FIXTURES
+
+
+class CheckpointFactory(Mapping):
+    """``factory["llama"]`` builds the fixture on first access (once per session) -> ``Path``."""
+
+    def __init__(self, root: Path):
+        self._root = root
+        self._built: dict[str, Path] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in FIXTURES:
+            raise KeyError(f"unknown checkpoint fixture {name!r}; known: {sorted(FIXTURES)}")
+        if name not in self._built:
+            self._built[name] = FIXTURES[name](self._root / name)
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FIXTURES)
+
+    def __len__(self) -> int:
+        return len(FIXTURES)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> CheckpointFactory:
+    return CheckpointFactory(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(checkpoints) -> Path:
+    return checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_ckpt(checkpoints) -> Path:
+    return checkpoints["qwen3_moe"]
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_fused_ckpt(checkpoints) -> Path:
+    return checkpoints["qwen3_moe_fused"]
+
+
+@pytest.fixture(scope="session")
+def mixtral_ckpt(checkpoints) -> Path:
+    return checkpoints["mixtral"]
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_ckpt(checkpoints) -> Path:
+    return checkpoints["deepseek_v3"]
+
+
+@pytest.fixture(scope="session")
+def vlm_ckpt(checkpoints) -> Path:
+    return checkpoints["vlm"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_ckpt() -> Path:
+    """SmolLM2-135M as bf16 safetensors, converted from the packaged GGUF on first use (~40 s).
+
+    Uses the user cache (``$SQ_CACHE_DIR`` or ``~/.cache/sq``) so it is converted once per
+    machine, not once per session.
+    """
+    from sq.demo import resolve_model
+
+    return resolve_model("demo:smollm2")
