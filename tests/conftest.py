@@ -2,33 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from sq.testing.checkpoints import FIXTURES
-
-
-class CheckpointFactory(Mapping):
-    """``factory["llama"]`` builds the fixture on first access (once per session) -> ``Path``."""
-
-    def __init__(self, root: Path):
-        self._root = root
-        self._built: dict[str, Path] = {}
-
-    def __getitem__(self, name: str) -> Path:
-        if name not in FIXTURES:
-            raise KeyError(f"unknown checkpoint fixture {name!r}; known: {sorted(FIXTURES)}")
-        if name not in self._built:
-            self._built[name] = FIXTURES[name](self._root / name)
-        return self._built[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(FIXTURES)
-
-    def __len__(self) -> int:
-        return len(FIXTURES)
+from sq.testing.checkpoints import CheckpointFactory
 
 
 @pytest.fixture(scope="session")

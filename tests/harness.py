@@ -28,7 +28,7 @@ class RanksTimedOut(AssertionError):
     pass
 
 
-def _child(fn, rank, world, store_path, args, kwargs, out_q, threads, collective_timeout):
+def _child(fn, rank, world, store_path, args, kwargs, out_q, threads, collective_timeout, backend):
     import datetime
 
     import torch
@@ -37,9 +37,11 @@ def _child(fn, rank, world, store_path, args, kwargs, out_q, threads, collective
     torch.set_num_threads(threads)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world,
+            backend, store=store, rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
         result = fn(rank, world, *args, **kwargs)
@@ -61,9 +63,12 @@ def run_ranks(
     timeout: float = 120.0,
     threads: int = 1,
     collective_timeout: float = 60.0,
+    backend: str = "gloo",
     **kwargs,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
+
+    ``backend`` is gloo (CPU) or nccl (one GPU per rank, ``tests_gpu/``).
 
     ``fn`` must be importable (module level).  The first rank to raise fails the call with
     its traceback; the remaining ranks are killed.  Past ``timeout`` every rank is killed
@@ -76,7 +81,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, store_path, args, kwargs, out_q, threads, collective_timeout),
+                args=(fn, r, world_size, store_path, args, kwargs, out_q, threads, collective_timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)

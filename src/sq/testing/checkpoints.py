@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -488,3 +488,24 @@ def verify_checkpoint(path: Path) -> None:
             problems.append(f"{path}: model tensor {key} is not in the checkpoint")
     if problems:
         raise AssertionError("\n".join(problems))
+
+
+class CheckpointFactory(Mapping):
+    """``factory["llama"]`` builds the fixture on first access (once per session) -> ``Path``."""
+
+    def __init__(self, root: Path):
+        self._root = root
+        self._built: dict[str, Path] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in FIXTURES:
+            raise KeyError(f"unknown checkpoint fixture {name!r}; known: {sorted(FIXTURES)}")
+        if name not in self._built:
+            self._built[name] = FIXTURES[name](self._root / name)
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FIXTURES)
+
+    def __len__(self) -> int:
+        return len(FIXTURES)
