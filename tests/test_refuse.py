@@ -167,3 +167,21 @@ def test_shape_refusal_identical_on_every_rank(checkpoints, tmp_path):
     msgs = run_ranks(_load_bad_shape, 2, str(path), timeout=120)
     assert msgs[0] is not None and msgs[0] == msgs[1]
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in msgs[0]
+
+
+def test_tensor_both_filled_and_carried(checkpoints, monkeypatch):
+    """The exporter would write a carried-over key next to its quantized twin: refused by name."""
+    import sq.load.loader as loader
+    from sq.load.keymap import build_keymap
+
+    def doctored(model, tensors):
+        km = build_keymap(model, tensors)
+        km.carried.append("model.norm.weight")
+        return km
+
+    monkeypatch.setattr(loader, "build_keymap", doctored)
+    path = checkpoints["llama"]
+    model = build_skeleton(path, dtype=torch.float32)
+    with pytest.raises(LoadRefused, match=r"both filled and carried over: \['model.norm.weight'\]"):
+        plan_load(model, path)
+    assert all(p.device.type == "meta" for p in model.parameters())
