@@ -1,0 +1,146 @@
+"""Output folder: per-rank shard files, carried-over tensors, config, tokenizer, merged index.
+
+Every rank writes only its own files (``model-rank{r:05d}-block{b:05d}.safetensors``) and
+remembers what it wrote as an index fragment ``{tensor name: file name}``; rank 0 merges
+the fragments into ``model.safetensors.index.json`` as the very last file, so a folder
+with an index is a finished checkpoint.
+
+Every file is written as temp file -> flush -> fsync -> rename -> fsync of the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sq.errors import SqError
+
+__all__ = [
+    "INDEX_NAME",
+    "output_dir_problems",
+    "shard_name",
+    "write_tensors",
+    "write_json",
+    "copy_carried",
+    "copy_side_files",
+    "merge_index",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+# files next to the weights that a loader needs besides config.json
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json")
+
+
+def output_dir_problems(out: str | Path) -> list[str]:
+    """Refuse an output folder that is a file or already holds anything (never overwrite)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        return [f"--output {out} exists and is not a directory"]
+    if out.is_dir() and any(out.iterdir()):
+        return [f"--output {out} is not empty; choose a new or empty directory"]
+    return []
+
+
+def shard_name(rank: int, block: int | None) -> str:
+    tail = "root" if block is None else f"block{block:05d}"
+    return f"model-rank{rank:05d}-{tail}.safetensors"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: Path, write) -> None:
+    """``write(tmp_path)``, then fsync and rename into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_tensors(out: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Write one safetensors file atomically; return its index fragment (empty if nothing to write)."""
+    if not tensors:
+        return {}
+    data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    _atomic(Path(out) / name, lambda tmp: save_file(data, str(tmp), metadata={"format": "pt"}))
+    return {k: name for k in data}
+
+
+def write_json(path: Path, obj) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
+    _atomic(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+
+def copy_carried(out: Path, source, keys: list[str], name: str = "model-carried.safetensors") -> dict[str, str]:
+    """Checkpoint tensors the model has no slot for (e.g. an MTP layer), copied raw.
+
+    safe_open hands back the stored dtype and bytes unchanged, and save_file writes them
+    unchanged, so the tensor data is byte for byte the source's.
+    """
+    tensors = {}
+    for key in keys:
+        info = source.tensors[key]
+        with safe_open(str(source.path(info.file)), framework="pt") as f:
+            tensors[key] = f.get_tensor(key)
+    return write_tensors(out, name, tensors)
+
+
+def copy_side_files(src: Path, out: Path) -> list[str]:
+    """Tokenizer files and generation_config.json, copied as they are."""
+    copied = []
+    for name in SIDE_FILES:
+        p = Path(src) / name
+        if p.is_file():
+            _atomic(Path(out) / name, lambda tmp, p=p: shutil.copyfile(p, tmp))
+            copied.append(name)
+    return copied
+
+
+def merge_index(out: Path, fragments: list[Mapping[str, str]]) -> dict:
+    """Merge every rank's ``{tensor: file}`` fragments into the index (refusing duplicates)."""
+    out = Path(out)
+    weight_map: dict[str, str] = {}
+    dups = []
+    for frag in fragments:
+        for k, f in frag.items():
+            if k in weight_map:
+                dups.append(f"{k} written twice ({weight_map[k]}, {f})")
+            weight_map[k] = f
+    if dups:
+        raise SqError(dups[:10])
+    total = 0
+    for f in sorted(set(weight_map.values())):
+        with safe_open(str(out / f), framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * _itemsize(sl.get_dtype())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_json(out / INDEX_NAME, index)
+    return index
+
+
+_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+          "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    return _SIZES.get(dtype, 1)

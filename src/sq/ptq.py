@@ -1,0 +1,47 @@
+"""``python -m sq.ptq`` / ``torchrun -m sq.ptq``: quantize a checkpoint (thin: parse -> quantize_model)."""
+
+from __future__ import annotations
+
+import sys
+
+from sq.cli import ArgParser, run_cli
+from sq.quant.schemes import SCHEME_NAMES
+
+
+def parse_args(argv=None):
+    from sq.quant.blockwise import ALGOS, PTQConfig
+
+    p = ArgParser(prog="torchrun -m sq.ptq", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint folder or demo:NAME")
+    p.add_argument("--output", required=True, help="new or empty output folder")
+    p.add_argument("--scheme", default="W4A16", type=str.upper, choices=SCHEME_NAMES)
+    p.add_argument("--algo", default="gptq", choices=ALGOS)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--nsamples", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default="builtin:pydoc")
+    p.add_argument("--ignore", nargs="*", default=[], metavar="REGEX",
+                   help="Linear module names (re.search) left unquantized")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
+    a = p.parse_args(argv)
+    return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
+                     nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
+                     ignore=tuple(a.ignore), timeout_s=a.timeout)
+
+
+def main(argv=None) -> int:
+    def body():
+        from sq.dist import init_distributed, setup_logging
+        from sq.quant.blockwise import quantize_model
+
+        cfg = parse_args(argv)
+        env = init_distributed(timeout_s=cfg.timeout_s)
+        setup_logging(env.rank)
+        quantize_model(cfg)
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""The block-by-block PTQ driver: every rank quantizes the rows it holds, one block at a time.
+
+    skeleton (meta) -> plan -> FSDP2 -> fill root -> block-0 inputs (this rank's samples)
+    for each block: fill -> (gptq) Hessians, all-reduced -> quantize local rows -> fake-quant
+                    into the shard -> forward (next inputs) -> gather rows to a writer -> write -> free
+    rank 0: root tensors, carried keys, config, tokenizer, report, merged index (last)
+
+Dense models only for now; MoE experts are refused.  The maths lives in ``sq.quant.rtn`` /
+``sq.quant.gptq`` and the checkpoint form in ``sq.export.compressed``; this file is plumbing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from sq.calib.data import calibration_windows, load_text, tokenize_corpus
+from sq.demo import resolve_model
+from sq.dist import ParallelDims, all_ok
+from sq.errors import SqError
+from sq.export import writer
+from sq.export.compressed import compress_weight, quantization_config
+from sq.load.fill import local_box
+from sq.load.loader import fill, free, plan_load
+from sq.load.meta import build_skeleton, decoder_blocks, experts_modules
+from sq.memory import peak_rss_bytes
+from sq.parallel.fsdp import apply_parallel
+from sq.quant import rtn
+from sq.quant.gptq import GPTQ, GPTQConfig
+from sq.quant.schemes import check_group_size, get_scheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PTQConfig", "quantize_model"]
+
+ALGOS = ("rtn", "gptq")
+CALIB_BATCH = 8  # samples per calibration forward
+
+
+@dataclass(frozen=True)
+class PTQConfig:
+    """One quantization job; ``to_dict`` goes into the report (and later the resume signature)."""
+
+    model: str
+    output: str
+    scheme: str = "W4A16"
+    algo: str = "gptq"
+    group_size: int = 128
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    dataset: str = "builtin:pydoc"
+    ignore: tuple[str, ...] = ()
+    timeout_s: float = 600.0
+
+    def problems(self) -> list[str]:
+        """Argument refusals (identical on every rank)."""
+        out = []
+        if self.algo not in ALGOS:
+            out.append(f"unknown --algo {self.algo!r}; choose one of {', '.join(ALGOS)}")
+        for flag in ("nsamples", "seqlen"):
+            v = getattr(self, flag)
+            if v <= 0:
+                out.append(f"--{flag} must be positive, got {v}")
+        for pat in self.ignore:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                out.append(f"--ignore {pat!r} is not a valid regular expression: {e}")
+        try:
+            get_scheme(self.scheme, self.group_size)
+        except SqError as e:
+            out += e.problems
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ignore"] = list(self.ignore)
+        return d
+
+
+class _StopForward(Exception):
+    """Raised by the block-0 pre-hook once its inputs are captured."""
+
+
+@dataclass
+class _Linear:
+    name: str  # model name of the module, e.g. model.layers.3.self_attn.q_proj
+    module: nn.Linear
+    ckpt_prefix: str  # checkpoint name minus "weight", e.g. model.layers.3.self_attn.q_proj.
+    owner: int  # writer rank
+
+
+@dataclass
+class _Stats:
+    layers: dict[str, dict] = field(default_factory=dict)
+    blocks: list[dict] = field(default_factory=list)
+
+
+def _ckpt_name(plan, target: str) -> str:
+    """The checkpoint key that fills ``target`` whole (dense: exact or suffix rule)."""
+    pieces = plan.keymap.pieces.get(target, [])
+    shape = tuple(plan.targets[target])
+    if (len(pieces) != 1 or pieces[0].stack_dim is not None or tuple(pieces[0].lengths) != shape
+            or any(pieces[0].offsets)):
+        raise SqError(f"{target} is filled from {len(pieces)} checkpoint piece(s) (fused/stacked layout); "
+                      "only one-to-one dense tensors can be exported yet")
+    return pieces[0].ckpt_key
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Whole tensor on every rank (collective for a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _row_counts(out_rows: int, world: int) -> list[int]:
+    """Rows each rank holds under FSDP2's dim-0 split (torch.chunk, empty tail chunks)."""
+    chunks = torch.arange(out_rows).chunk(world)
+    counts = [len(c) for c in chunks]
+    return counts + [0] * (world - len(counts))
+
+
+def _gather_rows(t: torch.Tensor | None, rows: list[int], dst: int, like_cols: int, dtype: torch.dtype):
+    """Gather ``t [rows_r, cols]`` from every rank onto ``dst`` (as bytes: any dtype, gloo too)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    width = like_cols * itemsize
+    pad = max(rows)
+    buf = torch.zeros(pad, width, dtype=torch.uint8)
+    if t is not None and t.shape[0]:
+        buf[: t.shape[0]] = t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+    parts = [torch.empty_like(buf) for _ in range(world)] if rank == dst else None
+    dist.gather(buf, parts, dst=dst)
+    if rank != dst:
+        return None
+    return torch.cat([p[:n] for p, n in zip(parts, rows)]).view(dtype).reshape(sum(rows), like_cols)
+
+
+def _refusals(model, plan, cfg: PTQConfig, scheme, ignore_re) -> list[str]:
+
+    problems = []
+    for prefix, block in decoder_blocks(model):
+        if experts_modules(block):
+            problems.append(f"{prefix}: MoE quantization not implemented yet (fused experts)")
+            break
+        for n, m in block.named_modules():
+            if isinstance(m, nn.Linear) and not ignore_re(f"{prefix}.{n}"):
+                try:
+                    check_group_size(f"{prefix}.{n}", m.in_features, scheme)
+                except SqError as e:
+                    problems += e.problems
+    if cfg.algo == "gptq" and cfg.nsamples < dist.get_world_size():
+        problems.append(f"--nsamples {cfg.nsamples} is smaller than the world size {dist.get_world_size()}: "
+                        "every rank needs calibration samples")
+    return problems
+
+
+def _capture_block0(model, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
+    """Block-0 inputs (hidden states and the kwargs the decoder layer gets) for each local batch.
+
+    The root FSDP unit is bypassed: its lazy init would insist every block is materialized.
+    The inner model's own root parameters are swapped for full copies for the duration
+    (collective), and a pre-hook on block 0 (ahead of FSDP's) stops the forward.
+    """
+
+    inner = model.get_submodule(decoder_blocks(model)[0][0].rsplit(".", 2)[0])
+    block0 = decoder_blocks(model)[0][1]
+    swapped = []
+    for mname, mod in inner.named_modules():
+        if mname.startswith("layers"):
+            continue
+        for leaf, p in list(mod._parameters.items()):
+            if isinstance(p, DTensor):
+                swapped.append((mod, leaf, p))
+                mod._parameters[leaf] = nn.Parameter(p.full_tensor(), requires_grad=False)
+    captured = []
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "hidden_states")}
+        kw["use_cache"] = False
+        captured.append((hidden.detach(), kw))
+        raise _StopForward
+
+    handle = block0.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    try:
+        with torch.no_grad():
+            for i in range(0, windows.shape[0], CALIB_BATCH):
+                try:
+                    inner(input_ids=windows[i:i + CALIB_BATCH].to(device), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        handle.remove()
+        for mod, leaf, p in swapped:
+            mod._parameters[leaf] = p
+    return captured
+
+
+def _block_forward(block, inputs, steps: int, dummy) -> list[torch.Tensor]:
+    """Run every local batch through ``block``; pad with ``dummy`` so all ranks run ``steps`` forwards
+    (FSDP2 all-gathers the block's weights in each)."""
+    outs = []
+    with torch.no_grad():
+        for i in range(steps):
+            real = i < len(inputs)
+            hidden, kw = inputs[i] if real else dummy
+            y = block(hidden, **kw)
+            y = y[0] if isinstance(y, tuple) else y
+            if real:
+                outs.append(y.detach())
+    return outs
+
+
+class _Counting:
+    """Forward hooks on Linears that feed GPTQ Hessians, switched off for dummy batches."""
+
+    def __init__(self, linears: list[_Linear], device):
+
+        self.on = True
+        self.gptq = {l.name: GPTQ(l.module.in_features, device=device) for l in linears}
+        self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
+
+    def _hook(self, name):
+        def hook(module, args, output):
+            if self.on:
+                self.gptq[name].add_batch(args[0])
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _quantize_rows(w: torch.Tensor, scheme, gptq, name: str):
+    """(q, scale, zp, dequantized) for this rank's rows ``w [rows, in]``."""
+
+    if gptq is not None and w.shape[0]:
+        r = gptq.quantize(w, scheme, name=name, **GPTQConfig().to_dict())
+        return r.q, r.scale, r.zero_point, r.weight.to(w.dtype)
+    scale, zp = rtn.compute_qparams(w, scheme)
+    q = rtn.quantize(w, scale, zp, scheme)
+    return q, scale, zp, rtn.dequantize(q, scale, zp, scheme).to(w.dtype)
+
+
+def _err_terms(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor | None) -> list[float]:
+    """Numerator / denominator of the relative error (through H when given, else in weight space)."""
+    w64, d64 = w.double(), (w.double() - deq.double())
+    if H is None:
+        return [float((d64 ** 2).sum()), float((w64 ** 2).sum())]
+    return [float(((d64 @ H) * d64).sum()), float(((w64 @ H) * w64).sum())]
+
+
+@torch.no_grad()
+def quantize_model(cfg: PTQConfig) -> dict:
+    """Run the whole job inside an initialized process group; return the report (rank 0) or {}."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t_start = time.perf_counter()
+    out = Path(cfg.output)
+
+    # ---- refusals: arguments, output folder, checkpoint, model; nothing mutated yet
+    problems = cfg.problems() + writer.output_dir_problems(out)
+    all_ok(not problems, "argument checks")
+    if problems:
+        raise SqError(problems)
+    scheme = get_scheme(cfg.scheme, cfg.group_size)
+    pats = [re.compile(p) for p in cfg.ignore]
+
+    def ignored(name: str) -> bool:
+        return any(p.search(name) for p in pats)
+
+    src = Path(resolve_model(cfg.model))
+    if not src.is_dir():
+        raise SqError(f"--model {cfg.model}: not a local checkpoint directory (hub download is not supported)")
+    model = build_skeleton(src)
+    plan = plan_load(model, src)
+    problems = _refusals(model, plan, cfg, scheme, ignored)
+    all_ok(not problems, "model checks")
+    if problems:
+        raise SqError(problems)
+    try:
+        model.set_attn_implementation("sdpa")  # None mask == causal, no padding in calibration windows
+    except Exception:  # noqa: BLE001 - older transformers: keep the default
+        pass
+
+    # ---- one writer plan, identical on every rank
+    blocks = decoder_blocks(model)
+    block_linears: list[list[_Linear]] = []
+    k = 0
+    for prefix, block in blocks:
+        mine = []
+        for n, m in block.named_modules():
+            full = f"{prefix}.{n}"
+            if isinstance(m, nn.Linear) and not ignored(full):
+                ck = _ckpt_name(plan, f"{full}.weight")
+                mine.append(_Linear(full, m, ck.removesuffix("weight"), k % world))
+                k += 1
+        block_linears.append(mine)
+    quantized = {l.name for ls in block_linears for l in ls}
+    unquantized = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized)
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+
+    apply_parallel(model, ParallelDims(world, 1).build_mesh(device.type))
+    fill(model, plan, plan.root_names, device=device)
+
+    # ---- calibration (gptq only): this rank's samples rank::world -> block-0 inputs
+    inputs, steps, dummy = [], 0, None
+    if cfg.algo == "gptq":
+        from transformers import AutoTokenizer
+
+        torch.manual_seed(cfg.seed)
+        tokens = tokenize_corpus(AutoTokenizer.from_pretrained(src), load_text(cfg.dataset))
+        windows = calibration_windows(tokens, cfg.nsamples, cfg.seqlen)[rank::world]
+        inputs = _capture_block0(model, windows, device)
+        steps = math.ceil(math.ceil(cfg.nsamples / world) / CALIB_BATCH)
+        dummy = inputs[0]
+
+    stats = _Stats()
+    fragments: dict[str, str] = {}
+    for b, ((prefix, block), linears) in enumerate(zip(blocks, block_linears)):
+        t0 = time.perf_counter()
+        names = plan.block_names[b]
+        fill(model, plan, names, device=device)
+        # Hessians of every quantized Linear's input, summed over all ranks' tokens
+        gptqs = {}
+        if cfg.algo == "gptq":
+            counting = _Counting(linears, device)
+            _block_forward(block, inputs, steps, dummy)
+            counting.remove()
+            gptqs = counting.gptq
+            for g in gptqs.values():
+                n = torch.tensor([g.nsamples], dtype=torch.int64, device=device)
+                dist.all_reduce(g.H)
+                dist.all_reduce(n)
+                g.nsamples = int(n.item())
+
+        # quantize this rank's rows, write the dequantized rows back (the quantized chain)
+        results = {}
+        for lin in linears:
+            local, _ = local_box(lin.module.weight)
+            g = gptqs.get(lin.name)
+            w = local.detach().clone()
+            q, scale, zp, deq = _quantize_rows(w, scheme, g, lin.name)
+            H = g.H if g is not None else None
+            terms = _err_terms(w, deq, H)
+            if g is not None:  # RTN on the same rows and Hessian, for comparison in the report
+                terms += _err_terms(w, _quantize_rows(w, scheme, None, lin.name)[3], H)
+            local.copy_(deq)
+            results[lin.name] = (q, scale, zp, terms)
+        if gptqs:
+            for g in gptqs.values():
+                g.free()
+
+        # layer errors: sum the per-rank terms
+        if linears:
+            t = torch.tensor([results[l.name][3] for l in linears], dtype=torch.float64)
+            dist.all_reduce(t)
+            for l, row in zip(linears, t.tolist()):
+                entry = {"rel_err": math.sqrt(row[0] / row[1]) if row[1] > 0 else 0.0,
+                         "metric": "output (through H)" if cfg.algo == "gptq" else "weight"}
+                if len(row) > 2:
+                    entry["rtn_rel_err"] = math.sqrt(row[2] / row[3]) if row[3] > 0 else 0.0
+                stats.layers[l.name] = entry
+
+        # the quantized chain: next block's inputs
+        if cfg.algo == "gptq" and b + 1 < len(blocks):
+            outs = _block_forward(block, inputs, steps, dummy)
+            inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
+            dummy = inputs[0]
+
+        # gather each Linear's rows on its writer and compress; rank 0 writes the rest whole
+        tensors: dict[str, torch.Tensor] = {}
+        for lin in linears:
+            q, scale, zp, _ = results[lin.name]
+            out_f, in_f = lin.module.out_features, lin.module.in_features
+            rows = _row_counts(out_f, world)
+            fq = _gather_rows(q, rows, lin.owner, in_f, q.dtype)
+            fs = _gather_rows(scale, rows, lin.owner, scale.shape[1], scale.dtype)
+            fz = _gather_rows(zp, rows, lin.owner, zp.shape[1], zp.dtype) if zp is not None else None
+            if rank == lin.owner:
+                for rel, v in compress_weight((fq, fs, fz), scheme, (out_f, in_f)).items():
+                    tensors[lin.ckpt_prefix + rel] = v
+        qweights = {f"{l.name}.weight" for l in linears}
+        block_params = dict(model.named_parameters())
+        for n in names:
+            if n in qweights:
+                continue
+            t = _full(block_params[n] if n in block_params else model.get_buffer(n))
+            if rank == 0:
+                tensors[_ckpt_name(plan, n)] = t.detach().clone()
+        fragments.update(writer.write_tensors(out, writer.shard_name(rank, b), tensors))
+        free(model, plan, names)
+        stats.blocks.append({"block": b, "seconds": round(time.perf_counter() - t0, 3)})
+        logger.info("block %d/%d done in %.2fs", b + 1, len(blocks), time.perf_counter() - t0)
+
+    # ---- root tensors whole (keeping the checkpoint's own names; a tied alias has no key of its own)
+    params = dict(model.named_parameters())
+    root = {}
+    for n in plan.root_names:
+        t = _full(params[n] if n in params else model.get_buffer(n))
+        if rank == 0:
+            root[_ckpt_name(plan, n)] = t.detach().clone()
+    if rank == 0:
+        fragments.update(writer.write_tensors(out, writer.shard_name(0, None), root))
+        fragments.update(writer.copy_carried(out, plan.source, list(plan.carried)))
+
+    mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "blocks": stats.blocks}
+    all_frags = [None] * world
+    all_mine = [None] * world
+    dist.all_gather_object(all_frags, fragments)
+    dist.all_gather_object(all_mine, mine)
+    if rank != 0:
+        return {}
+
+    config = dict(plan.source.config)
+    config["quantization_config"] = quantization_config({scheme: ["Linear"]}, unquantized)
+    writer.write_json(out / "config.json", config)
+    side = writer.copy_side_files(src, out)
+    import transformers
+
+    import sq
+
+    report = {
+        "args": cfg.to_dict(),
+        "source": str(src),
+        "scheme": scheme.to_dict(),
+        "world_size": world,
+        "versions": {"sq": getattr(sq, "__version__", "dev"), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "ignored_linears": unquantized,
+        "carried_over": list(plan.carried),
+        "side_files": side,
+        "seconds": round(time.perf_counter() - t_start, 3),
+        "ranks": all_mine,
+        "layers": stats.layers,
+    }
+    writer.write_json(out / "sq_report.json", report)
+    writer.merge_index(out, all_frags)  # last: an index means the folder is complete
+    return report
