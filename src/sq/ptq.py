@@ -24,10 +24,14 @@ def parse_args(argv=None):
     p.add_argument("--ignore", nargs="*", default=[], metavar="REGEX",
                    help="Linear module names (re.search) left unquantized")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the world size)")
+    p.add_argument("--no-calibrate-all-experts", dest="calibrate_all", action="store_false",
+                   help="feed each expert's Hessian only the tokens routed to it (default: every token)")
     a = p.parse_args(argv)
     return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
                      nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
-                     ignore=tuple(a.ignore), timeout_s=a.timeout)
+                     ignore=tuple(a.ignore), timeout_s=a.timeout, ep=a.ep,
+                     calibrate_all_experts=a.calibrate_all)
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,8 @@
                     into the shard -> forward (next inputs) -> gather rows to a writer -> write -> free
     rank 0: root tensors, carried keys, config, tokenizer, report, merged index (last)
 
-Dense models only for now; MoE experts are refused.  The maths lives in ``sq.quant.rtn`` /
+MoE experts (transformers' fused ``gate_up_proj`` / ``down_proj``) are quantized per expert by
+the rank that holds them, with Hessians from every rank's tokens (``sq.quant.experts``).  The maths lives in ``sq.quant.rtn`` /
 ``sq.quant.gptq`` and the checkpoint form in ``sq.export.compressed``; this file is plumbing.
 """
 
@@ -37,6 +38,8 @@ from sq.load.meta import build_skeleton, decoder_blocks, experts_modules
 from sq.memory import peak_rss_bytes
 from sq.parallel.fsdp import apply_parallel
 from sq.quant import rtn
+from sq.quant.experts import (FUSED, ExpertCalibration, export_slots, gather_rows_bytes, is_ep_param,
+                              local_experts)
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.quant.schemes import check_group_size, get_scheme
 
@@ -63,13 +66,15 @@ class PTQConfig:
     dataset: str = "builtin:pydoc"
     ignore: tuple[str, ...] = ()
     timeout_s: float = 600.0
+    ep: int = 1
+    calibrate_all_experts: bool = True
 
     def problems(self) -> list[str]:
         """Argument refusals (identical on every rank)."""
         out = []
         if self.algo not in ALGOS:
             out.append(f"unknown --algo {self.algo!r}; choose one of {', '.join(ALGOS)}")
-        for flag in ("nsamples", "seqlen"):
+        for flag in ("nsamples", "seqlen", "ep"):
             v = getattr(self, flag)
             if v <= 0:
                 out.append(f"--{flag} must be positive, got {v}")
@@ -106,6 +111,7 @@ class _Linear:
 class _Stats:
     layers: dict[str, dict] = field(default_factory=dict)
     blocks: list[dict] = field(default_factory=list)
+    experts_rtn_fallback: int = 0  # experts no calibration token reached (quantized with RTN)
 
 
 def _ckpt_name(plan, target: str) -> str:
@@ -150,10 +156,19 @@ def _gather_rows(t: torch.Tensor | None, rows: list[int], dst: int, like_cols: i
 def _refusals(model, plan, cfg: PTQConfig, scheme, ignore_re) -> list[str]:
 
     problems = []
+    world = dist.get_world_size()
+    if world % cfg.ep:
+        problems.append(f"--ep {cfg.ep} does not divide the world size {world}")
     for prefix, block in decoder_blocks(model):
-        if experts_modules(block):
-            problems.append(f"{prefix}: MoE quantization not implemented yet (fused experts)")
-            break
+        for n, ex in experts_modules(block):
+            e, hidden, inter = ex._parameters["down_proj"].shape
+            for pname, width in (("gate_up_proj", hidden), ("down_proj", inter)):
+                try:
+                    check_group_size(f"{prefix}.{n}.{pname}", width, scheme)
+                except SqError as err:
+                    problems += err.problems
+            if cfg.ep > 1 and e % cfg.ep:
+                problems.append(f"{prefix}.{n}: {e} experts do not split evenly over --ep {cfg.ep}")
         for n, m in block.named_modules():
             if isinstance(m, nn.Linear) and not ignore_re(f"{prefix}.{n}"):
                 try:
@@ -208,13 +223,15 @@ def _capture_block0(model, windows: torch.Tensor, device) -> list[tuple[torch.Te
     return captured
 
 
-def _block_forward(block, inputs, steps: int, dummy) -> list[torch.Tensor]:
+def _block_forward(block, inputs, steps: int, dummy, counters=()) -> list[torch.Tensor]:
     """Run every local batch through ``block``; pad with ``dummy`` so all ranks run ``steps`` forwards
-    (FSDP2 all-gathers the block's weights in each)."""
+    (FSDP2 all-gathers the block's weights in each).  ``counters`` stop counting on dummy batches."""
     outs = []
     with torch.no_grad():
         for i in range(steps):
             real = i < len(inputs)
+            for c in counters:
+                c.on = real
             hidden, kw = inputs[i] if real else dummy
             y = block(hidden, **kw)
             y = y[0] if isinstance(y, tuple) else y
@@ -224,23 +241,40 @@ def _block_forward(block, inputs, steps: int, dummy) -> list[torch.Tensor]:
 
 
 class _Counting:
-    """Forward hooks on Linears that feed GPTQ Hessians, switched off for dummy batches."""
+    """Forward hooks on Linears that feed GPTQ Hessians, switched off for dummy batches.
+
+    Linears that read the very same input tensor (q/k/v, gate/up) share one accumulator: the
+    first batch decides, with its inputs kept alive so no address can be reused meanwhile.
+    """
 
     def __init__(self, linears: list[_Linear], device):
-
         self.on = True
-        self.gptq = {l.name: GPTQ(l.module.in_features, device=device) for l in linears}
+        self.device = device
+        self.leader: dict[str, str] = {}
+        self.gptq: dict[str, GPTQ] = {}
+        self._first: dict[tuple, tuple[str, torch.Tensor]] = {}
         self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
 
     def _hook(self, name):
         def hook(module, args, output):
-            if self.on:
-                self.gptq[name].add_batch(args[0])
+            x = args[0]
+            if name not in self.leader:
+                key = (x.data_ptr(), tuple(x.shape), x.dtype)
+                lead = self._first.setdefault(key, (name, x))[0]
+                self.leader[name] = lead
+                if lead == name:
+                    self.gptq[name] = GPTQ(module.in_features, device=self.device)
+            if self.on and self.leader[name] == name:
+                self.gptq[name].add_batch(x)
         return hook
+
+    def get(self, name: str) -> GPTQ | None:
+        return self.gptq.get(self.leader.get(name, ""))
 
     def remove(self):
         for h in self.handles:
             h.remove()
+        self._first.clear()
 
 
 def _quantize_rows(w: torch.Tensor, scheme, gptq, name: str):
@@ -260,6 +294,70 @@ def _err_terms(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor | None) -> li
     if H is None:
         return [float((d64 ** 2).sum()), float((w64 ** 2).sum())]
     return [float(((d64 @ H) * d64).sum()), float(((w64 @ H) * w64).sum())]
+
+
+def _quantize_experts(experts, calibs, scheme, algo: str):
+    """Quantize the local rows of every local expert; write the dequantized rows back.
+
+    Returns ``{experts prefix: {param: (q, scale, zp) local [n_local, rows_local, ...]}}`` and
+    the experts that fell back to RTN (no calibration token reached them).
+    """
+    out, fallback = {}, []
+    by_module = {id(c.experts): c for c in calibs}
+    for eprefix, ex in experts:
+        calib = by_module.get(id(ex))
+        out[eprefix] = {}
+        for pname in FUSED:
+            local, off = local_box(ex._parameters[pname])
+            qs, ss, zs = [], [], []
+            for i in range(local.shape[0]):
+                e = off[0] + i
+                g = None
+                if calib is not None:
+                    g = (calib.h_in if pname == "gate_up_proj" else calib.h_mid)[e]
+                    if g.nsamples == 0:
+                        g = None
+                        if pname == "gate_up_proj":
+                            fallback.append(f"{eprefix}.{e}")
+                w = local[i].detach().clone()
+                q, scale, zp, deq = _quantize_rows(w, scheme, g, f"{eprefix}.{e}.{pname}")
+                local[i].copy_(deq)
+                qs.append(q), ss.append(scale), zs.append(zp)
+            out[eprefix][pname] = (torch.stack(qs) if qs else None, torch.stack(ss) if ss else None,
+                                   torch.stack(zs) if zs and zs[0] is not None else None)
+        if calib is not None:
+            for g in (*calib.h_in.values(), *calib.h_mid.values()):
+                g.free()
+    return out, fallback
+
+
+def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, plan, scheme) -> dict[str, torch.Tensor]:
+    """Compressed per-expert tensors under checkpoint-layout names, written by the rank holding them.
+
+    Under EP with dp > 1 an expert's rows are spread over the dp group: they are gathered there
+    and the dp rank ``e % dp`` writes the expert.
+    """
+    tensors = {}
+    mine = local_experts(ex)
+    p0 = ex._parameters["down_proj"]
+    dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
+    full = {}
+    for pname in FUSED:
+        p = ex._parameters[pname]
+        q, scale, zp = qdata[pname]
+        if q is None:
+            continue
+        full[pname] = tuple(gather_rows_bytes(t, p) if t is not None else None for t in (q, scale, zp))
+    for slot in export_slots(eprefix, ex, plan.keymap.pieces):
+        if slot.expert not in mine or slot.expert % dp != dp_rank or slot.param not in full:
+            continue
+        q, scale, zp = full[slot.param]
+        i = slot.expert - mine.start
+        sl = slice(slot.lo, slot.hi)
+        w = (q[i, sl], scale[i, sl], zp[i, sl] if zp is not None else None)
+        for rel, v in compress_weight(w, scheme, tuple(w[0].shape)).items():
+            tensors[slot.ckpt_prefix + rel] = v
+    return tensors
 
 
 @torch.no_grad()
@@ -308,14 +406,18 @@ def quantize_model(cfg: PTQConfig) -> dict:
                 mine.append(_Linear(full, m, ck.removesuffix("weight"), k % world))
                 k += 1
         block_linears.append(mine)
+    block_experts = [[(f"{prefix}.{n}", ex) for n, ex in experts_modules(block) if not ignored(f"{prefix}.{n}")]
+                     for prefix, block in blocks]
     quantized = {l.name for ls in block_linears for l in ls}
-    unquantized = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized)
+    # every unquantized Linear by name, and the MoE routers (vLLM builds them as Linears)
+    unquantized = sorted({n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized}
+                         | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")})
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
 
-    apply_parallel(model, ParallelDims(world, 1).build_mesh(device.type))
+    apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type))
     fill(model, plan, plan.root_names, device=device)
 
     # ---- calibration (gptq only): this rank's samples rank::world -> block-0 inputs
@@ -332,28 +434,36 @@ def quantize_model(cfg: PTQConfig) -> dict:
 
     stats = _Stats()
     fragments: dict[str, str] = {}
-    for b, ((prefix, block), linears) in enumerate(zip(blocks, block_linears)):
+    for b, ((prefix, block), linears, experts) in enumerate(zip(blocks, block_linears, block_experts)):
         t0 = time.perf_counter()
+        phase = {}
         names = plan.block_names[b]
         fill(model, plan, names, device=device)
-        # Hessians of every quantized Linear's input, summed over all ranks' tokens
-        gptqs = {}
+        phase["fill"] = time.perf_counter() - t0
+
+        # Hessians: dense Linears summed over all ranks' tokens; experts at their owner
+        counting, calibs = None, []
         if cfg.algo == "gptq":
+            t = time.perf_counter()
             counting = _Counting(linears, device)
-            _block_forward(block, inputs, steps, dummy)
+            calibs = [ExpertCalibration(ex, cfg.calibrate_all_experts, device) for _, ex in experts]
+            _block_forward(block, inputs, steps, dummy, counters=[counting, *calibs])
             counting.remove()
-            gptqs = counting.gptq
-            for g in gptqs.values():
+            for c in calibs:
+                c.remove()
+            for g in counting.gptq.values():
                 n = torch.tensor([g.nsamples], dtype=torch.int64, device=device)
                 dist.all_reduce(g.H)
                 dist.all_reduce(n)
                 g.nsamples = int(n.item())
+            phase["calibrate"] = time.perf_counter() - t
 
         # quantize this rank's rows, write the dequantized rows back (the quantized chain)
+        t = time.perf_counter()
         results = {}
         for lin in linears:
             local, _ = local_box(lin.module.weight)
-            g = gptqs.get(lin.name)
+            g = counting.get(lin.name) if counting else None
             w = local.detach().clone()
             q, scale, zp, deq = _quantize_rows(w, scheme, g, lin.name)
             H = g.H if g is not None else None
@@ -362,28 +472,37 @@ def quantize_model(cfg: PTQConfig) -> dict:
                 terms += _err_terms(w, _quantize_rows(w, scheme, None, lin.name)[3], H)
             local.copy_(deq)
             results[lin.name] = (q, scale, zp, terms)
-        if gptqs:
-            for g in gptqs.values():
+        expert_q, fallback = _quantize_experts(experts, calibs, scheme, cfg.algo)
+        if counting:
+            for g in counting.gptq.values():
                 g.free()
+        phase["solve"] = time.perf_counter() - t
 
         # layer errors: sum the per-rank terms
         if linears:
-            t = torch.tensor([results[l.name][3] for l in linears], dtype=torch.float64)
-            dist.all_reduce(t)
-            for l, row in zip(linears, t.tolist()):
+            terms = torch.tensor([results[l.name][3] for l in linears], dtype=torch.float64)
+            dist.all_reduce(terms)
+            for l, row in zip(linears, terms.tolist()):
                 entry = {"rel_err": math.sqrt(row[0] / row[1]) if row[1] > 0 else 0.0,
                          "metric": "output (through H)" if cfg.algo == "gptq" else "weight"}
                 if len(row) > 2:
                     entry["rtn_rel_err"] = math.sqrt(row[2] / row[3]) if row[3] > 0 else 0.0
                 stats.layers[l.name] = entry
+        if experts:
+            every = [None] * world
+            dist.all_gather_object(every, fallback)
+            stats.experts_rtn_fallback += len(set().union(*every))  # dp replicas name the same experts
 
         # the quantized chain: next block's inputs
         if cfg.algo == "gptq" and b + 1 < len(blocks):
+            t = time.perf_counter()
             outs = _block_forward(block, inputs, steps, dummy)
             inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
             dummy = inputs[0]
+            phase["forward"] = time.perf_counter() - t
 
         # gather each Linear's rows on its writer and compress; rank 0 writes the rest whole
+        t = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         for lin in linears:
             q, scale, zp, _ = results[lin.name]
@@ -395,18 +514,23 @@ def quantize_model(cfg: PTQConfig) -> dict:
             if rank == lin.owner:
                 for rel, v in compress_weight((fq, fs, fz), scheme, (out_f, in_f)).items():
                     tensors[lin.ckpt_prefix + rel] = v
-        qweights = {f"{l.name}.weight" for l in linears}
+        for (eprefix, ex) in experts:
+            tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], plan, scheme))
+        skip = {f"{l.name}.weight" for l in linears} | {f"{p}.{f}" for p, _ in experts for f in FUSED}
         block_params = dict(model.named_parameters())
         for n in names:
-            if n in qweights:
+            if n in skip:
                 continue
-            t = _full(block_params[n] if n in block_params else model.get_buffer(n))
+            t_ = _full(block_params[n] if n in block_params else model.get_buffer(n))
             if rank == 0:
-                tensors[_ckpt_name(plan, n)] = t.detach().clone()
+                tensors[_ckpt_name(plan, n)] = t_.detach().clone()
         fragments.update(writer.write_tensors(out, writer.shard_name(rank, b), tensors))
         free(model, plan, names)
-        stats.blocks.append({"block": b, "seconds": round(time.perf_counter() - t0, 3)})
-        logger.info("block %d/%d done in %.2fs", b + 1, len(blocks), time.perf_counter() - t0)
+        phase["write"] = time.perf_counter() - t
+        total = time.perf_counter() - t0
+        stats.blocks.append({"block": b, "seconds": round(total, 3),
+                             **{k: round(v, 3) for k, v in phase.items()}})
+        logger.info("block %d/%d done in %.2fs", b + 1, len(blocks), total)
 
     # ---- root tensors whole (keeping the checkpoint's own names; a tied alias has no key of its own)
     params = dict(model.named_parameters())
@@ -448,6 +572,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
         "seconds": round(time.perf_counter() - t_start, 3),
         "ranks": all_mine,
         "layers": stats.layers,
+        "experts_rtn_fallback": stats.experts_rtn_fallback,
     }
     writer.write_json(out / "sq_report.json", report)
     writer.merge_index(out, all_frags)  # last: an index means the folder is complete

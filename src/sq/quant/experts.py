@@ -1,0 +1,173 @@
+"""MoE experts in the PTQ driver: per-expert Hessians, owned-rows quantization, checkpoint names.
+
+transformers 5 keeps routed experts fused: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
+Quantization is per expert and per projection, and row-independent, so a rank quantizes the
+rows of the experts it holds (``local_box``) with that expert's Hessians:
+
+- ``gate_up`` rows of expert e see the tokens entering expert e (``H_in[e]``, ``H x H``);
+- ``down`` rows see ``act(x W_gate^T) * (x W_up^T)`` of those tokens (``H_mid[e]``, ``I x I``).
+
+Calibration runs every rank's tokens past the owner: the experts' forward gathers the
+hidden states of all ranks (world group) and each rank accumulates only its own experts'
+Hessians, so no ``E x H x H`` tensor ever exists.  With "calibrate all experts" every token
+feeds every expert's statistics while the routed output stays unchanged; an expert that sees
+no token falls back to RTN and is counted.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from sq.load.fill import local_box
+from sq.load.keymap import Piece
+from sq.quant.gptq import GPTQ
+
+FUSED = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class ExpertSlot:
+    """One exported expert projection: rows ``[lo, hi)`` of ``param[e]`` -> checkpoint prefix."""
+
+    param: str  # "gate_up_proj" | "down_proj"
+    expert: int
+    lo: int
+    hi: int
+    ckpt_prefix: str  # e.g. "model.layers.1.mlp.experts.3.gate_proj." (+ "weight_packed", ...)
+
+
+def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]) -> list[ExpertSlot]:
+    """Checkpoint-layout names of every expert projection, from the key map's boxes.
+
+    A per-expert source (``experts.{e}.gate_proj.weight``, Mixtral's ``w1/w3/w2``) names its own
+    boxes; a fused source gets transformers' per-expert layout (``gate_proj`` / ``up_proj`` /
+    ``down_proj``), which is what vLLM's per-expert loaders read.
+    """
+    slots = []
+    for pname in FUSED:
+        target = f"{prefix}.{pname}"
+        p = experts._parameters[pname]
+        n_exp, rows = p.shape[0], p.shape[1]
+        ps = pieces.get(target, [])
+        if ps and all(x.stack_dim == 0 for x in ps):
+            for x in ps:
+                slots.append(ExpertSlot(pname, x.offsets[0], x.offsets[1], x.offsets[1] + x.lengths[1],
+                                        x.ckpt_key.removesuffix("weight")))
+            continue
+        ckpt_prefix = ps[0].ckpt_key.rsplit(".", 1)[0] if ps else prefix
+        for e in range(n_exp):
+            if pname == "down_proj":
+                slots.append(ExpertSlot(pname, e, 0, rows, f"{ckpt_prefix}.{e}.down_proj."))
+            else:
+                half = rows // 2
+                slots.append(ExpertSlot(pname, e, 0, half, f"{ckpt_prefix}.{e}.gate_proj."))
+                slots.append(ExpertSlot(pname, e, half, rows, f"{ckpt_prefix}.{e}.up_proj."))
+    return sorted(slots, key=lambda s: (s.expert, s.param, s.lo))
+
+
+def local_experts(experts: nn.Module) -> range:
+    """Global indices of the experts whose rows this rank holds."""
+    _, off = local_box(experts._parameters["down_proj"])
+    n = local_box(experts._parameters["down_proj"])[0].shape[0]
+    return range(off[0], off[0] + n)
+
+
+def _gather_var(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate a [n_r, ...] tensor from every rank (n_r may differ, may be 0)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return t
+    counts = [None] * world
+    dist.all_gather_object(counts, t.shape[0])
+    pad = max(counts)
+    buf = t.new_zeros(pad, *t.shape[1:])
+    buf[: t.shape[0]] = t
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(parts, buf.contiguous())
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def is_ep_param(p: torch.Tensor) -> bool:
+    """An expert tensor sharded by ``sq.parallel.expert`` (rows over dp, experts over ep)."""
+    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp", "ep")
+
+
+def _full_rows(p: torch.Tensor) -> torch.Tensor:
+    """This rank's experts with every row (gathered within dp under EP; FSDP2 forward: already full)."""
+    if is_ep_param(p):
+        from sq.parallel.expert import _gather_rows
+
+        return _gather_rows(p.to_local(), p.device_mesh.get_group("dp"))
+    return p
+
+
+@dataclass
+class ExpertCalibration:
+    """Hessian accumulators for the experts this rank holds, filled by a wrapped forward."""
+
+    experts: nn.Module
+    calibrate_all: bool
+    device: torch.device
+    on: bool = True
+    h_in: dict[int, GPTQ] = field(default_factory=dict)
+    h_mid: dict[int, GPTQ] = field(default_factory=dict)
+
+    def __post_init__(self):
+        ex = self.experts
+        hidden, inter = ex._parameters["down_proj"].shape[1], ex._parameters["down_proj"].shape[2]
+        self.mine = local_experts(ex)
+        for e in self.mine:
+            self.h_in[e] = GPTQ(hidden, device=self.device)
+            self.h_mid[e] = GPTQ(inter, device=self.device)
+        self._had_own_forward = "forward" in ex.__dict__  # EP installs a per-module forward
+        self._orig = ex.forward
+        ex.forward = types.MethodType(self._make_forward(), ex)
+
+    def _make_forward(self):
+        calib, orig = self, self._orig
+
+        def forward(module, hidden_states, top_k_index, top_k_weights):
+            out = orig(hidden_states, top_k_index, top_k_weights)
+            # every rank joins the gather (dummy batches send no tokens)
+            mine_h = hidden_states if calib.on else hidden_states[:0]
+            mine_i = top_k_index if calib.on else top_k_index[:0]
+            h_all, idx_all = _gather_var(mine_h), _gather_var(mine_i)
+            if not len(calib.mine) or h_all.shape[0] == 0:
+                return out
+            gate_up = _full_rows(module.gate_up_proj)
+            first = calib.mine.start if is_ep_param(module.gate_up_proj) else 0
+            for e in calib.mine:
+                x = h_all if calib.calibrate_all else h_all[(idx_all == e).any(dim=-1)]
+                if x.shape[0] == 0:
+                    continue
+                w = gate_up[e - first]
+                gate, up = nn.functional.linear(x, w).chunk(2, dim=-1)
+                calib.h_in[e].add_batch(x)
+                calib.h_mid[e].add_batch(module.act_fn(gate) * up)
+            return out
+
+        return forward
+
+    def remove(self) -> None:
+        if self._had_own_forward:
+            self.experts.forward = self._orig
+        else:
+            del self.experts.__dict__["forward"]
+
+
+def gather_rows_bytes(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Rows of this rank's experts from every dp rank, for any dtype (gloo has no fp8): ``[n, rows, cols]``."""
+    if not is_ep_param(p) or p.device_mesh.size(0) == 1:
+        return local
+    from sq.parallel.expert import _gather_rows
+
+    dtype, cols = local.dtype, local.shape[-1]
+    as_bytes = local.contiguous().view(torch.uint8)  # [n, rows_local, cols * itemsize]
+    full = _gather_rows(as_bytes, p.device_mesh.get_group("dp"))
+    return full.view(dtype).reshape(local.shape[0], -1, cols)

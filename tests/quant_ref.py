@@ -1,0 +1,34 @@
+"""Reference for exported checkpoints: the source model with every quantized weight fake-quantized."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from sq.load.meta import decoder_blocks, experts_modules
+from sq.quant import rtn
+
+
+@torch.no_grad()
+def fake_quantized_reference(model: nn.Module, scheme) -> nn.Module:
+    """RTN fake-quantize every decoder-block Linear and every fused expert projection in place."""
+    for _, block in decoder_blocks(model):
+        for _, m in block.named_modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(rtn.fake_quantize(m.weight, scheme))
+        for _, ex in experts_modules(block):
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(ex, name)
+                for e in range(p.shape[0]):
+                    p[e].copy_(rtn.fake_quantize(p[e], scheme))
+    return model
+
+
+def load_any(path, **kw):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = AutoConfig.from_pretrained(path)
+    cls = AutoModelForCausalLM if type(cfg) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
+    out = cls.from_pretrained(path, **kw)
+    (out[0] if isinstance(out, tuple) else out).eval()
+    return out
