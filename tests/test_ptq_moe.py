@@ -1,0 +1,132 @@
+"""PTQ on every fixture architecture (dense, Qwen3-MoE per-expert and fused, Mixtral, DeepSeek-V3 + MTP, VLM).
+
+- transformers loads each output with no missing keys (unexpected ones only the carried MTP
+  layer, which transformers itself ignores only as layer 61) and its logits match the
+  fake-quantized source (relative error <= 1e-3);
+- tensor names are the checkpoint's per-expert layout, never transformers' fused names;
+- RTN output is bit-identical at world sizes 1, 2, 3 and at ep 1 vs 2; GPTQ at ep 1 vs 2 too;
+- an expert no calibration token reaches falls back to RTN and is counted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from harness import run_ranks
+from quant_ref import fake_quantized_reference, load_any
+from sq.quant.schemes import get_scheme
+
+ARCHS = ["llama", "qwen3_moe", "qwen3_moe_fused", "mixtral", "deepseek_v3", "vlm"]
+GS = 16
+
+
+def _quantize_all(rank, world, jobs):
+    from sq.quant.blockwise import PTQConfig, quantize_model
+
+    for job in jobs:
+        quantize_model(PTQConfig(**job))
+    return True
+
+
+def _run(jobs, world, timeout=300):
+    run_ranks(_quantize_all, world, jobs, timeout=timeout)
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def _same_bits(a: Path, b: Path) -> list[str]:
+    ta, tb = _tensors(a), _tensors(b)
+    assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))[:5]
+    return [k for k in ta if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape
+            or not torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8))]
+
+
+@pytest.fixture(scope="module")
+def rtn_outputs(checkpoints, tmp_path_factory):
+    """RTN W4A16 g16 of every architecture at world 2, plus the world / ep variants of two MoEs."""
+    root = tmp_path_factory.mktemp("ptq")
+    base = dict(scheme="W4A16", algo="rtn", group_size=GS)
+    jobs2 = [dict(model=str(checkpoints[a]), output=str(root / f"{a}-w2"), **base) for a in ARCHS]
+    jobs2 += [dict(model=str(checkpoints[a]), output=str(root / f"{a}-w2-ep2"), ep=2, **base)
+              for a in ("qwen3_moe", "mixtral")]
+    _run(jobs2, 2)
+    _run([dict(model=str(checkpoints[a]), output=str(root / f"{a}-w1"), **base) for a in ("qwen3_moe", "deepseek_v3")], 1)
+    _run([dict(model=str(checkpoints[a]), output=str(root / f"{a}-w3"), **base) for a in ("qwen3_moe", "deepseek_v3")], 3)
+    return root
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rtn_output_loads_and_matches_fake_quant(checkpoints, rtn_outputs, arch):
+    out = rtn_outputs / f"{arch}-w2"
+    model, info = load_any(out, dtype=torch.float32, output_loading_info=True)
+    carried = json.loads((out / "sq_report.json").read_text())["carried_over"]
+    assert not info["missing_keys"], info["missing_keys"]
+    mtp = {".".join(k.split(".")[:3]) + "." for k in carried}  # e.g. "model.layers.3."
+    assert all(any(k.startswith(p) for p in mtp) for k in info["unexpected_keys"]), info["unexpected_keys"]
+    ref = fake_quantized_reference(load_any(checkpoints[arch], dtype=torch.float32), get_scheme("W4A16", GS))
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert ((a - b).norm() / b.norm()).item() <= 1e-3
+    # carried-over tensors are byte-for-byte the source's
+    src, got = _tensors(checkpoints[arch]), _tensors(out)
+    for k in carried:
+        assert torch.equal(src[k].view(torch.uint8), got[k].view(torch.uint8)), k
+
+
+def test_checkpoint_layout_names(rtn_outputs):
+    names = set(_tensors(rtn_outputs / "qwen3_moe-w2"))
+    assert "model.layers.0.mlp.experts.5.gate_proj.weight_packed" in names
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_scale" in names
+    assert not any("gate_up_proj" in n for n in names)
+    assert "model.layers.0.mlp.gate.weight" in names  # the router stays full precision
+    mixtral = set(_tensors(rtn_outputs / "mixtral-w2"))
+    assert "model.layers.0.block_sparse_moe.experts.1.w3.weight_packed" in mixtral
+    fused = set(_tensors(rtn_outputs / "qwen3_moe_fused-w2"))
+    assert "model.layers.0.mlp.experts.5.up_proj.weight_packed" in fused
+    cfg = json.loads((rtn_outputs / "qwen3_moe-w2" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in cfg["ignore"] and "model.layers.0.mlp.gate" in cfg["ignore"]
+    assert cfg["format"] == "pack-quantized"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_rtn_bit_identical_across_world_sizes(rtn_outputs, arch):
+    for w in ("w1", "w3"):
+        assert _same_bits(rtn_outputs / f"{arch}-w2", rtn_outputs / f"{arch}-{w}") == []
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_rtn_bit_identical_ep1_ep2(rtn_outputs, arch):
+    assert _same_bits(rtn_outputs / f"{arch}-w2", rtn_outputs / f"{arch}-w2-ep2") == []
+
+
+def test_gptq_moe_ep1_equals_ep2_and_loads(checkpoints, tmp_path):
+    base = dict(model=str(checkpoints["deepseek_v3"]), scheme="W4A16", algo="gptq", group_size=GS,
+                nsamples=8, seqlen=32)
+    _run([dict(output=str(tmp_path / "ep1"), **base), dict(output=str(tmp_path / "ep2"), ep=2, **base)], 2)
+    assert _same_bits(tmp_path / "ep1", tmp_path / "ep2") == []
+    model, info = load_any(tmp_path / "ep1", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"]
+    report = json.loads((tmp_path / "ep1" / "sq_report.json").read_text())
+    assert report["experts_rtn_fallback"] == 0  # calibrate-all: every expert sees every token
+    for name, layer in report["layers"].items():
+        assert layer["rel_err"] <= layer["rtn_rel_err"] + 1e-9, name
+
+
+def test_unreached_experts_fall_back_to_rtn_and_are_counted(checkpoints, tmp_path):
+    # 4 calibration tokens, top-2 routing, no calibrate-all: some of the 2 x 8 experts see no token
+    _run([dict(model=str(checkpoints["qwen3_moe"]), output=str(tmp_path / "o"), algo="gptq", group_size=GS,
+               nsamples=2, seqlen=2, calibrate_all_experts=False)], 2)
+    report = json.loads((tmp_path / "o" / "sq_report.json").read_text())
+    assert 1 <= report["experts_rtn_fallback"] <= 2 * 8
