@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 from sq.cli import ArgParser, run_cli
@@ -27,11 +29,16 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the world size)")
     p.add_argument("--no-calibrate-all-experts", dest="calibrate_all", action="store_false",
                    help="feed each expert's Hessian only the tokens routed to it (default: every token)")
+    p.add_argument("--resume", default="auto", choices=("auto", "never", "require"),
+                   help="auto: continue a matching unfinished run in --output; never: start over; "
+                        "require: fail if there is nothing to resume")
+    p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
                      nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), timeout_s=a.timeout, ep=a.ep,
-                     calibrate_all_experts=a.calibrate_all)
+                     calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
+                     fault=os.environ.get("SQ_FAULT"))
 
 
 def main(argv=None) -> int:
@@ -42,7 +49,9 @@ def main(argv=None) -> int:
         cfg = parse_args(argv)
         env = init_distributed(timeout_s=cfg.timeout_s)
         setup_logging(env.rank)
-        quantize_model(cfg)
+        report = quantize_model(cfg)
+        if report.get("complete") and env.rank == 0:
+            print(f"sq: {cfg.output} is already complete; nothing to do")
 
     return run_cli(body)
 

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sq.errors import SqError
+from sq.resume import safetensors_bytes, sha256_bytes, write_bytes_atomic
 
 __all__ = [
     "INDEX_NAME",
@@ -64,22 +65,39 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic(path: Path, write) -> None:
-    """``write(tmp_path)``, then fsync and rename into place."""
+    """``write(tmp_path)``, then fsync and rename into place (ENOSPC: a clean error naming the file)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.errno == 28:
+            tmp.unlink(missing_ok=True)
+            raise SqError(f"no space left on the device while writing {path}; free space and rerun the same "
+                          "command to resume") from None
+        raise
     _fsync_dir(path.parent)
+
+
+def write_shard(out: Path, name: str, tensors: Mapping[str, torch.Tensor], *, die_midway=None,
+                checksum: bool = True) -> dict | None:
+    """Write one safetensors file atomically; return its record (size, sha256, tensor names) or None.
+
+    The bytes are serialized once in memory, hashed, then written, so the checksum costs no re-read.
+    """
+    if not tensors:
+        return None
+    data = safetensors_bytes(dict(tensors))
+    write_bytes_atomic(Path(out) / name, data, die_midway=die_midway)
+    return {"size": len(data), "sha256": sha256_bytes(data) if checksum else None, "tensors": sorted(tensors)}
 
 
 def write_tensors(out: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Write one safetensors file atomically; return its index fragment (empty if nothing to write)."""
-    if not tensors:
-        return {}
-    data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _atomic(Path(out) / name, lambda tmp: save_file(data, str(tmp), metadata={"format": "pt"}))
-    return {k: name for k in data}
+    rec = write_shard(out, name, tensors)
+    return {k: name for k in rec["tensors"]} if rec else {}
 
 
 def write_json(path: Path, obj) -> None:
@@ -112,7 +130,7 @@ def copy_side_files(src: Path, out: Path) -> list[str]:
     return copied
 
 
-def merge_index(out: Path, fragments: list[Mapping[str, str]]) -> dict:
+def merge_index(out: Path, fragments: list[Mapping[str, str]], *, before_write=None) -> dict:
     """Merge every rank's ``{tensor: file}`` fragments into the index (refusing duplicates)."""
     out = Path(out)
     weight_map: dict[str, str] = {}
@@ -134,6 +152,8 @@ def merge_index(out: Path, fragments: list[Mapping[str, str]]) -> dict:
                     n *= d
                 total += n * _itemsize(sl.get_dtype())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    if before_write is not None:
+        before_write()
     write_json(out / INDEX_NAME, index)
     return index
 

@@ -41,6 +41,7 @@ from sq.quant import rtn
 from sq.quant.experts import (FUSED, ExpertCalibration, export_slots, gather_rows_bytes, is_ep_param,
                               local_experts)
 from sq.quant.gptq import GPTQ, GPTQConfig
+from sq.resume import Fault, RunState, maybe_die, sha256_bytes, signature_diff, source_identity
 from sq.quant.schemes import check_group_size, get_scheme
 
 logger = logging.getLogger(__name__)
@@ -68,10 +69,15 @@ class PTQConfig:
     timeout_s: float = 600.0
     ep: int = 1
     calibrate_all_experts: bool = True
+    resume: str = "auto"  # auto | never | require
+    bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
+    fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
 
     def problems(self) -> list[str]:
         """Argument refusals (identical on every rank)."""
         out = []
+        if self.resume not in ("auto", "never", "require"):
+            out.append(f"--resume must be auto, never or require, got {self.resume!r}")
         if self.algo not in ALGOS:
             out.append(f"unknown --algo {self.algo!r}; choose one of {', '.join(ALGOS)}")
         for flag in ("nsamples", "seqlen", "ep"):
@@ -92,6 +98,13 @@ class PTQConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["ignore"] = list(self.ignore)
+        return d
+
+    def signature_args(self) -> dict[str, Any]:
+        """The arguments a resumed run must share (not where to write, how to launch, or faults)."""
+        d = self.to_dict()
+        for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault"):
+            d.pop(k)
         return d
 
 
@@ -296,6 +309,30 @@ def _err_terms(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor | None) -> li
     return [float(((d64 @ H) * d64).sum()), float(((w64 @ H) * w64).sum())]
 
 
+def _raise_enospc() -> None:
+    raise OSError(28, "No space left on device (injected)")
+
+
+def _signature(cfg: PTQConfig, scheme, plan, text: str | None, world: int) -> dict:
+    """Everything a resumed run must share with the run it continues."""
+    import compressed_tensors
+    import transformers
+
+    import sq
+
+    return {
+        "source": source_identity(plan.source),
+        "args": cfg.signature_args(),
+        "scheme": scheme.to_dict(),
+        "gptq": GPTQConfig().to_dict(),
+        "dataset": {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None},
+        "world_size": world,
+        "blocks": list(plan.block_prefixes),
+        "versions": {"sq": sq.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "compressed_tensors": compressed_tensors.__version__},
+    }
+
+
 def _quantize_experts(experts, calibs, scheme, algo: str):
     """Quantize the local rows of every local expert; write the dequantized rows back.
 
@@ -368,11 +405,18 @@ def quantize_model(cfg: PTQConfig) -> dict:
     t_start = time.perf_counter()
     out = Path(cfg.output)
 
+    fault = Fault.parse(cfg.fault)
+
     # ---- refusals: arguments, output folder, checkpoint, model; nothing mutated yet
-    problems = cfg.problems() + writer.output_dir_problems(out)
+    problems = cfg.problems()
     all_ok(not problems, "argument checks")
     if problems:
         raise SqError(problems)
+    state = RunState(out, rank, enabled=cfg.bookkeeping)
+    if (out / writer.INDEX_NAME).is_file() and not state.root.exists():
+        logger.info("%s is already complete (it has %s); nothing to do", out, writer.INDEX_NAME)
+        return {"complete": True}
+    old_sig = state.read_signature()
     scheme = get_scheme(cfg.scheme, cfg.group_size)
     pats = [re.compile(p) for p in cfg.ignore]
 
@@ -385,7 +429,33 @@ def quantize_model(cfg: PTQConfig) -> dict:
     model = build_skeleton(src)
     plan = plan_load(model, src)
     problems = _refusals(model, plan, cfg, scheme, ignored)
-    all_ok(not problems, "model checks")
+    text = None
+    if cfg.algo == "gptq":
+        text = load_text(cfg.dataset)
+    sig = _signature(cfg, scheme, plan, text, world)
+    if old_sig is None:
+        problems += writer.output_dir_problems(out)
+        if cfg.resume == "require":
+            problems.append(f"--resume require: {out} holds no run to resume")
+    elif cfg.resume != "never":
+        changed = signature_diff(old_sig, sig)
+        if changed:
+            problems.append(f"{out} holds an unfinished run with different settings ({', '.join(changed)}); "
+                            "rerun with the same command, or pass --resume never to start over")
+    all_ok(not problems, "model and output checks")  # every rank has looked at the folder before it changes
+    if problems:
+        raise SqError(problems)
+    if rank == 0:
+        try:
+            if old_sig is not None and cfg.resume == "never":
+                state.clear()
+                old_sig = None
+            state.take_lock()
+            if old_sig is None:
+                state.write_signature(sig)
+        except SqError as e:
+            problems += e.problems
+    all_ok(not problems, "taking the output folder")
     if problems:
         raise SqError(problems)
     try:
@@ -413,9 +483,14 @@ def quantize_model(cfg: PTQConfig) -> dict:
     unquantized = sorted({n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized}
                          | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")})
 
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    # ---- agree on the restart point: the largest block every rank can restart from
+    state.load_manifest()
+    points = [None] * world
+    dist.all_gather_object(points, state.restart_points(need_chain=cfg.algo == "gptq"))
+    start = max(set.intersection(*(set(p) for p in points)))
+    fragments: dict[str, str] = state.truncate(start)
+    if start:
+        logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, len(blocks))
 
     apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type))
     fill(model, plan, plan.root_names, device=device)
@@ -426,15 +501,18 @@ def quantize_model(cfg: PTQConfig) -> dict:
         from transformers import AutoTokenizer
 
         torch.manual_seed(cfg.seed)
-        tokens = tokenize_corpus(AutoTokenizer.from_pretrained(src), load_text(cfg.dataset))
+        tokens = tokenize_corpus(AutoTokenizer.from_pretrained(src), text)
         windows = calibration_windows(tokens, cfg.nsamples, cfg.seqlen)[rank::world]
         inputs = _capture_block0(model, windows, device)
         steps = math.ceil(math.ceil(cfg.nsamples / world) / CALIB_BATCH)
+        if start:  # the quantized chain from the cache, never rebuilt approximately
+            inputs = [(h, kw) for h, (_, kw) in zip(state.read_chain(start), inputs, strict=True)]
         dummy = inputs[0]
 
     stats = _Stats()
-    fragments: dict[str, str] = {}
     for b, ((prefix, block), linears, experts) in enumerate(zip(blocks, block_linears, block_experts)):
+        if b < start:
+            continue
         t0 = time.perf_counter()
         phase = {}
         names = plan.block_names[b]
@@ -448,6 +526,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
             counting = _Counting(linears, device)
             calibs = [ExpertCalibration(ex, cfg.calibrate_all_experts, device) for _, ex in experts]
             _block_forward(block, inputs, steps, dummy, counters=[counting, *calibs])
+            maybe_die(fault, "calib", rank, b)
             counting.remove()
             for c in calibs:
                 c.remove()
@@ -524,7 +603,19 @@ def quantize_model(cfg: PTQConfig) -> dict:
             t_ = _full(block_params[n] if n in block_params else model.get_buffer(n))
             if rank == 0:
                 tensors[_ckpt_name(plan, n)] = t_.detach().clone()
-        fragments.update(writer.write_tensors(out, writer.shard_name(rank, b), tensors))
+        shard = writer.shard_name(rank, b)
+        die = None
+        if fault is not None and fault.hit("mid-shard-write", rank, b):
+            die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
+        elif fault is not None and fault.hit("enospc", rank, b):
+            die = _raise_enospc
+        rec = writer.write_shard(out, shard, tensors, die_midway=die, checksum=cfg.bookkeeping)
+        maybe_die(fault, "after-shard-write", rank, b)
+        if rec:
+            fragments.update({k: shard for k in rec["tensors"]})
+        if cfg.algo == "gptq" and b + 1 < len(blocks):
+            state.write_chain(b + 1, [h for h, _ in inputs])
+        state.record_block(b, {shard: rec} if rec else {}, fault)
         free(model, plan, names)
         phase["write"] = time.perf_counter() - t
         total = time.perf_counter() - t0
@@ -573,7 +664,9 @@ def quantize_model(cfg: PTQConfig) -> dict:
         "ranks": all_mine,
         "layers": stats.layers,
         "experts_rtn_fallback": stats.experts_rtn_fallback,
+        "resumed_from_block": start,
     }
     writer.write_json(out / "sq_report.json", report)
-    writer.merge_index(out, all_frags)  # last: an index means the folder is complete
+    writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", rank))
+    state.finish()  # the index and config exist: the run folder is no longer needed
     return report

@@ -1,0 +1,303 @@
+"""Crash and resume: the run signature, per-rank manifests, the chain cache, the lock, fault points.
+
+Layout under the output folder::
+
+    .sq-run/run.json                      signature (what must match to resume) + its sha256
+    .sq-run/lock                          pid and host of the running job (rank 0)
+    .sq-run/rank-NNNNN/manifest.json      blocks completed in order, with the files written
+                                          (size, sha256, tensor names)
+    .sq-run/rank-NNNNN/chain-BBBBB.safetensors   this rank's inputs of block BBBBB (quantized chain)
+
+A block is recorded only after its files are renamed into place and its chain file written;
+every file goes temp -> fsync -> rename -> fsync(folder).  On start each rank verifies its
+manifest (sizes and checksums: torn or corrupt files are redone, never trusted) and the ranks
+agree on the largest block index every one of them can restart from.  Blocks before it are
+kept; everything after is redone exactly as an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from sq.errors import SqError
+
+logger = logging.getLogger(__name__)
+
+RUN_DIR = ".sq-run"
+FAULT_POINTS = ("calib", "after-shard-write", "mid-shard-write", "manifest-replace", "index-merge", "enospc")
+
+
+# ---------------------------------------------------------------- fault injection (tests only)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``point:rank[:block]`` from the test-only ``SQ_FAULT`` variable: SIGKILL there."""
+
+    point: str
+    rank: int
+    block: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str | None) -> Fault | None:
+        if not spec:
+            return None
+        parts = spec.split(":")
+        if parts[0] not in FAULT_POINTS or len(parts) not in (2, 3):
+            raise SqError(f"SQ_FAULT={spec!r}: expected POINT:RANK[:BLOCK] with POINT one of {', '.join(FAULT_POINTS)}")
+        return cls(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None)
+
+    def hit(self, point: str, rank: int, block: int | None = None) -> bool:
+        return self.point == point and self.rank == rank and (self.block is None or self.block == block)
+
+
+def maybe_die(fault: Fault | None, point: str, rank: int, block: int | None = None) -> None:
+    if fault is not None and fault.hit(point, rank, block):
+        logger.warning("fault injection: SIGKILL at %s (rank %d, block %s)", point, rank, block)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- durable files
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, die_midway=None) -> None:
+    """temp -> write -> fsync -> rename -> fsync(folder).  ENOSPC becomes a clean error naming the file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            half = len(data) // 2 if die_midway is not None else 0
+            if die_midway is not None:  # fault injection: half the bytes on disk, then the hook
+                f.write(data[:half])
+                f.flush()
+                os.fsync(f.fileno())
+                die_midway()
+            f.write(data[half:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        if e.errno == 28:  # ENOSPC
+            tmp.unlink(missing_ok=True)
+            raise SqError(f"no space left on the device while writing {path}; free space and rerun the same "
+                          "command to resume") from None
+        raise
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    return st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_ok(path: Path, record: dict) -> bool:
+    try:
+        return path.stat().st_size == record["size"] and sha256_file(path) == record["sha256"]
+    except (OSError, KeyError):
+        return False
+
+
+# ---------------------------------------------------------------- signature
+
+
+def source_identity(source) -> dict:
+    """Config and index content, and every shard's name, size and mtime."""
+    root = Path(source.root)
+    ident = {"config_sha256": sha256_file(root / "config.json")}
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        ident["index_sha256"] = sha256_file(index)
+    ident["files"] = {f: [(root / f).stat().st_size, (root / f).stat().st_mtime_ns] for f in source.files}
+    return ident
+
+
+def signature_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two signatures."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += signature_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+# ---------------------------------------------------------------- run state
+
+
+class RunState:
+    """This rank's view of ``OUT/.sq-run``."""
+
+    def __init__(self, out: Path, rank: int, *, enabled: bool = True):
+        self.out = Path(out)
+        self.root = self.out / RUN_DIR
+        self.rank = rank
+        self.enabled = enabled
+        self.dir = self.root / f"rank-{rank:05d}"
+        self.manifest = {"rank": rank, "blocks": []}
+
+    # -- whole-run files (rank 0 writes them)
+    def read_signature(self) -> dict | None:
+        p = self.root / "run.json"
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text())["signature"]
+        except (json.JSONDecodeError, KeyError):
+            raise SqError(f"{p} is corrupt; rerun with --resume never to start over") from None
+
+    def write_signature(self, sig: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"signature": sig, "sha256": sha256_bytes(json.dumps(sig, sort_keys=True).encode())},
+                          indent=2, sort_keys=True)
+        write_bytes_atomic(self.root / "run.json", text.encode())
+
+    def take_lock(self) -> None:
+        """Refuse a second live run on this folder; take over a dead one's lock with a warning."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = self.root / "lock"
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        if lock.is_file():
+            try:
+                held = json.loads(lock.read_text())
+            except json.JSONDecodeError:
+                held = {}
+            if held.get("host") == me["host"] and _alive(held.get("pid")) and held.get("pid") != me["pid"]:
+                raise SqError(f"{self.out} is being written by another sq run (pid {held['pid']} on {held['host']}); "
+                              "wait for it or stop it")
+            if held.get("host") not in (None, me["host"]):
+                raise SqError(f"{self.out} is locked by a run on host {held['host']} (pid {held.get('pid')}); "
+                              f"if that run is dead, delete {lock}")
+            logger.warning("taking over the stale lock of dead run pid %s on %s", held.get("pid"), held.get("host"))
+        write_bytes_atomic(lock, json.dumps(me).encode())
+
+    def clear(self) -> None:
+        """``--resume never``: remove the run folder and every file a previous run wrote."""
+        for p in self.out.iterdir():
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+
+    def finish(self) -> None:
+        """After the final index and config exist: the run folder goes."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- this rank's manifest and chain
+    def load_manifest(self) -> None:
+        p = self.dir / "manifest.json"
+        if not p.is_file():
+            return
+        try:
+            m = json.loads(p.read_text())
+            assert isinstance(m["blocks"], list)
+            self.manifest = m
+        except (json.JSONDecodeError, KeyError, AssertionError):
+            logger.warning("rank %d: manifest %s is corrupt; its blocks will be redone", self.rank, p)
+
+    def verified_blocks(self) -> int:
+        """Length of the prefix of recorded blocks whose files all verify (in order 0, 1, ...)."""
+        n = 0
+        for i, entry in enumerate(self.manifest["blocks"]):
+            if entry.get("block") != i:
+                break
+            if not all(file_ok(self.out / f, rec) for f, rec in entry["files"].items()):
+                logger.warning("rank %d: block %d's files do not verify; redoing from there", self.rank, i)
+                break
+            n += 1
+        return n
+
+    def chain_ok(self, block: int) -> bool:
+        rec = self.manifest.get("chains", {}).get(str(block))
+        return rec is not None and file_ok(self.dir / self.chain_name(block), rec)
+
+    def restart_points(self, need_chain: bool) -> list[int]:
+        """Block indices this rank can restart from (0 always)."""
+        n = self.verified_blocks()
+        return [b for b in range(n + 1) if b == 0 or not need_chain or self.chain_ok(b)]
+
+    def truncate(self, k: int) -> dict[str, str]:
+        """Keep blocks < k; return their index fragment {tensor: file}."""
+        self.manifest["blocks"] = self.manifest["blocks"][:k]
+        self.manifest["chains"] = {b: r for b, r in self.manifest.get("chains", {}).items() if int(b) <= k}
+        frag = {}
+        for entry in self.manifest["blocks"]:
+            for f, rec in entry["files"].items():
+                frag.update({t: f for t in rec["tensors"]})
+        return frag
+
+    @staticmethod
+    def chain_name(block: int) -> str:
+        return f"chain-{block:05d}.safetensors"
+
+    def write_chain(self, block: int, hidden: list[torch.Tensor]) -> None:
+        if not self.enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data = safetensors_bytes({f"h{i:06d}": h for i, h in enumerate(hidden)})
+        write_bytes_atomic(self.dir / self.chain_name(block), data)
+        self.manifest.setdefault("chains", {})[str(block)] = {"size": len(data), "sha256": sha256_bytes(data)}
+
+    def read_chain(self, block: int) -> list[torch.Tensor]:
+        t = st_load((self.dir / self.chain_name(block)).read_bytes())
+        return [t[k] for k in sorted(t)]
+
+    def record_block(self, block: int, files: dict[str, dict], fault: Fault | None = None) -> None:
+        """Mark ``block`` done (after its files and chain are in place); keep the last two chains."""
+        self.manifest["blocks"].append({"block": block, "files": files})
+        for b in list(self.manifest.get("chains", {})):
+            if int(b) < block:  # chains of blocks <= block-1 can go (ranks differ by at most one block)
+                del self.manifest["chains"][b]
+                (self.dir / self.chain_name(int(b))).unlink(missing_ok=True)
+        if not self.enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(self.manifest, indent=1).encode()
+        die = None
+        if fault is not None and fault.hit("manifest-replace", self.rank, block):
+            die = lambda: maybe_die(fault, "manifest-replace", self.rank, block)  # noqa: E731
+        write_bytes_atomic(self.dir / "manifest.json", data, die_midway=die)
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
