@@ -243,10 +243,11 @@ class RunState:
         rec = self.manifest.get("chains", {}).get(str(block))
         return rec is not None and file_ok(self.dir / self.chain_name(block), rec)
 
-    def restart_points(self, need_chain: bool) -> list[int]:
-        """Block indices this rank can restart from (0 always)."""
+    def restart_points(self, need_chain: bool, n_blocks: int) -> list[int]:
+        """Block indices this rank can restart from: 0, any later one whose inputs are cached, and
+        ``n_blocks`` (only the final stage left) once every block verified."""
         n = self.verified_blocks()
-        return [b for b in range(n + 1) if b == 0 or not need_chain or self.chain_ok(b)]
+        return [b for b in range(n + 1) if b in (0, n_blocks) or not need_chain or self.chain_ok(b)]
 
     def truncate(self, k: int) -> dict[str, str]:
         """Keep blocks < k; return their index fragment {tensor: file}."""

@@ -486,7 +486,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     # ---- agree on the restart point: the largest block every rank can restart from
     state.load_manifest()
     points = [None] * world
-    dist.all_gather_object(points, state.restart_points(need_chain=cfg.algo == "gptq"))
+    dist.all_gather_object(points, state.restart_points(need_chain=cfg.algo == "gptq", n_blocks=len(blocks)))
     start = max(set.intersection(*(set(p) for p in points)))
     fragments: dict[str, str] = state.truncate(start)
     if start:
@@ -497,7 +497,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
 
     # ---- calibration (gptq only): this rank's samples rank::world -> block-0 inputs
     inputs, steps, dummy = [], 0, None
-    if cfg.algo == "gptq":
+    if cfg.algo == "gptq" and start < len(blocks):
         from transformers import AutoTokenizer
 
         torch.manual_seed(cfg.seed)

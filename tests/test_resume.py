@@ -1,0 +1,187 @@
+"""Crash and resume: SIGKILL at every fault point, rerun, and every output tensor is bit-identical.
+
+The fault hook (``SQ_FAULT=point:rank[:block]``, read only by the CLI) SIGKILLs one rank at a
+named point; torchrun then stops the other rank, as a dead node would.  The rerun is the very
+same command.  Control runs are uninterrupted runs of the same job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import run_ranks, run_torchrun
+from test_ptq_moe import _same_bits
+
+GS = 16
+POINTS_GPTQ = ["calib:0:1", "after-shard-write:1:1", "mid-shard-write:0:1", "manifest-replace:1:1", "index-merge:0"]
+POINTS_RTN = ["after-shard-write:0:1", "mid-shard-write:1:1", "manifest-replace:0:1", "index-merge:0"]
+
+
+def _args(model, out, algo):
+    a = ["sq.ptq", "--model", str(model), "--output", str(out), "--algo", algo, "--group-size", str(GS),
+         "--nsamples", "4", "--seqlen", "16", "--timeout", "60"]
+    return a
+
+
+@pytest.fixture(scope="module")
+def controls(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("controls")
+    out = {}
+    for arch in ("llama", "qwen3_moe"):
+        for algo in ("rtn", "gptq"):
+            d = root / f"{arch}-{algo}"
+            res = run_torchrun(_args(checkpoints[arch], d, algo), 2, timeout=300)
+            assert res.returncode == 0, res.output[-3000:]
+            out[arch, algo] = d
+    return out
+
+
+def _kill_then_resume(checkpoints, controls, tmp_path, arch, algo, fault):
+    out = tmp_path / "o"
+    killed = run_torchrun(_args(checkpoints[arch], out, algo), 2, timeout=300, env={"SQ_FAULT": fault})
+    assert killed.returncode != 0, "the fault did not fire"
+    assert "fault injection: SIGKILL" in killed.output
+    assert not (out / "model.safetensors.index.json").exists() or (out / ".sq-run").exists()
+    resumed = run_torchrun(_args(checkpoints[arch], out, algo), 2, timeout=300)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert _same_bits(controls[arch, algo], out) == []
+    for name in ("model.safetensors.index.json", "config.json"):
+        assert (out / name).read_text() == (controls[arch, algo] / name).read_text()
+    assert not (out / ".sq-run").exists()
+    return json.loads((out / "sq_report.json").read_text())
+
+
+@pytest.mark.parametrize("fault", POINTS_GPTQ)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_gptq_resume_bit_identical(checkpoints, controls, tmp_path, arch, fault):
+    report = _kill_then_resume(checkpoints, controls, tmp_path, arch, "gptq", fault)
+    # the ranks restart at the killed block (both had finished the one before); after the last block
+    # only the final stage is redone
+    n_blocks = json.loads((checkpoints[arch] / "config.json").read_text())["num_hidden_layers"]
+    expected = n_blocks if fault.startswith("index-merge") else 1
+    assert report["resumed_from_block"] == expected
+
+
+@pytest.mark.parametrize("fault", POINTS_RTN)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_rtn_resume_bit_identical(checkpoints, controls, tmp_path, arch, fault):
+    _kill_then_resume(checkpoints, controls, tmp_path, arch, "rtn", fault)
+
+
+def test_enospc_is_a_clean_error_then_resumes(checkpoints, controls, tmp_path):
+    out = tmp_path / "o"
+    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300, env={"SQ_FAULT": "enospc:1:1"})
+    assert res.returncode != 0
+    assert "sq: error: no space left on the device while writing" in res.stderr
+    assert "model-rank00001-block00001.safetensors" in res.stderr
+    assert not list(out.glob(".*.tmp"))
+    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
+    assert res.returncode == 0, res.output[-3000:]
+    assert _same_bits(controls["llama", "gptq"], out) == []
+
+
+def test_finished_output_is_never_touched(checkpoints, controls):
+    done = controls["llama", "rtn"]
+    before = {p.name: p.stat().st_mtime_ns for p in done.iterdir()}
+    res = run_torchrun(_args(checkpoints["llama"], done, "rtn"), 2, timeout=120)
+    assert res.returncode == 0 and "already complete" in res.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in done.iterdir()} == before
+
+
+def _partial_run(checkpoints, out, algo="gptq"):
+    res = run_torchrun(_args(checkpoints["llama"], out, algo), 2, timeout=300,
+                       env={"SQ_FAULT": "after-shard-write:0:1"})
+    assert res.returncode != 0 and (out / ".sq-run" / "run.json").exists()
+
+
+def _try_configs(rank, world, jobs):
+    from sq.errors import SqError
+    from sq.quant.blockwise import PTQConfig, quantize_model
+
+    out = []
+    for job in jobs:
+        try:
+            quantize_model(PTQConfig(**job))
+            out.append(None)
+        except SqError as e:
+            out.append(str(e))
+    return out
+
+
+def test_signature_changes_are_refused_by_name(checkpoints, tmp_path):
+    out = tmp_path / "o"
+    _partial_run(checkpoints, out)
+    manifest = (out / ".sq-run" / "rank-00000" / "manifest.json").read_text()
+    base = dict(model=str(checkpoints["llama"]), output=str(out), algo="gptq", group_size=GS, nsamples=4, seqlen=16)
+    changes = {"args.group_size": dict(group_size=32), "args.nsamples": dict(nsamples=6),
+               "args.seqlen": dict(seqlen=8), "args.seed": dict(seed=1), "args.scheme": dict(scheme="W8A16"),
+               "args.ignore": dict(ignore=("down_proj",)), "args.algo": dict(algo="rtn")}
+    msgs = run_ranks(_try_configs, 2, [{**base, **c} for c in changes.values()], timeout=300)[0]
+    for field, msg in zip(changes, msgs):
+        assert msg is not None and field in msg and "--resume never" in msg, (field, msg)
+    # a different world size is refused too
+    world1 = run_ranks(_try_configs, 1, [base], timeout=120)[0][0]
+    assert world1 is not None and "world_size" in world1
+    # the source checkpoint changed on disk
+    shard = sorted(Path(checkpoints["llama"]).glob("*.safetensors"))[0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    try:
+        msg = run_ranks(_try_configs, 2, [base], timeout=120)[0][0]
+        assert msg is not None and f"source.files.{shard.name}" in msg
+    finally:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (out / ".sq-run" / "rank-00000" / "manifest.json").read_text() == manifest  # nothing touched
+
+
+def test_resume_never_require_and_corrupt_state(checkpoints, controls, tmp_path):
+    base = dict(model=str(checkpoints["llama"]), algo="gptq", group_size=GS, nsamples=4, seqlen=16)
+    fresh = tmp_path / "fresh"
+    msg = run_ranks(_try_configs, 2, [dict(output=str(fresh), resume="require", **base)], timeout=120)[0][0]
+    assert msg is not None and "holds no run to resume" in msg
+
+    out = tmp_path / "o"
+    _partial_run(checkpoints, out)
+    # corrupt the chain cache and a finished shard: both are detected and their blocks redone
+    chain = next((out / ".sq-run" / "rank-00001").glob("chain-*.safetensors"))
+    chain.write_bytes(chain.read_bytes()[:-7] + b"garbage")
+    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
+    assert res.returncode == 0, res.output[-3000:]
+    assert json.loads((out / "sq_report.json").read_text())["resumed_from_block"] < 2
+    assert _same_bits(controls["llama", "gptq"], out) == []
+
+    again = tmp_path / "again"
+    _partial_run(checkpoints, again)
+    (again / ".sq-run" / "rank-00000" / "manifest.json").write_text("{not json")
+    res = run_torchrun(_args(checkpoints["llama"], again, "gptq") + ["--resume", "never"], 2, timeout=300)
+    assert res.returncode == 0, res.output[-3000:]
+    assert json.loads((again / "sq_report.json").read_text())["resumed_from_block"] == 0
+    assert _same_bits(controls["llama", "gptq"], again) == []
+
+
+def test_lock_refuses_a_live_run_and_takes_over_a_dead_one(checkpoints, tmp_path):
+    import socket
+
+    out = tmp_path / "o"
+    _partial_run(checkpoints, out)
+    lock = out / ".sq-run" / "lock"
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))  # alive: pytest's parent
+    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=120)
+    assert res.returncode != 0 and "is being written by another sq run" in res.stderr
+    lock.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))  # no such process
+    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
+    assert res.returncode == 0 and "taking over the stale lock" in res.output
+
+
+def test_killed_peer_ends_the_job_quickly(checkpoints, tmp_path):
+    start = time.monotonic()
+    res = run_torchrun(_args(checkpoints["llama"], tmp_path / "o", "gptq"), 2, timeout=120,
+                       env={"SQ_FAULT": "calib:1:0"})
+    assert res.returncode != 0
+    assert "rank      : 1" in res.stderr or "local_rank: 1" in res.stderr  # torchrun names the dead rank
+    assert time.monotonic() - start < 90
