@@ -63,7 +63,7 @@ class _Parser(argparse.ArgumentParser):
         raise SqError(message)
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m sq.eval", description="Perplexity of a checkpoint on a text corpus.")
     p.add_argument("--model", required=True, help="checkpoint directory, hub id, or demo:smollm2 / demo:tiny-moe")
     p.add_argument("--dataset", default=BUILTIN_PYDOC, help="builtin:pydoc, a .txt file, or a .jsonl with 'text'")
@@ -71,7 +71,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nwindows", type=int, default=40, help="score the last N windows of the corpus")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--progress", action="store_true", help="show a progress bar")
-    return p.parse_args(argv)
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _load(spec: str):

@@ -26,7 +26,7 @@ from sq.dist import init_distributed, setup_logging
 from sq.memory import io_read_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> ArgParser:
     p = ArgParser(prog="python -m sq.inspect", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint folder or demo:smollm2 / demo:tiny-moe")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the world size)")
@@ -38,7 +38,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 @torch.no_grad()

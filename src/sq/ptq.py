@@ -10,8 +10,8 @@ from sq.cli import ArgParser, run_cli
 from sq.quant.schemes import SCHEME_NAMES
 
 
-def parse_args(argv=None):
-    from sq.quant.blockwise import ALGOS, PTQConfig
+def build_parser() -> ArgParser:
+    from sq.quant.blockwise import ALGOS
 
     p = ArgParser(prog="torchrun -m sq.ptq", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint folder or demo:NAME")
@@ -33,7 +33,13 @@ def parse_args(argv=None):
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
     p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    from sq.quant.blockwise import PTQConfig
+
+    a = build_parser().parse_args(argv)
     return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
                      nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), timeout_s=a.timeout, ep=a.ep,
