@@ -44,6 +44,7 @@ def test_raising_rank_fails_with_traceback():
 
 def test_hanging_rank_times_out():
     start = time.monotonic()
-    with pytest.raises(RanksTimedOut, match=r"rank\(s\) \[1\]"):
-        run_ranks(_hang_on_one, 2, timeout=8)
-    assert time.monotonic() - start < 30
+    # rank 1 hangs; rank 0 normally answers first, but on a loaded machine it may still be importing
+    with pytest.raises(RanksTimedOut, match=r"rank\(s\) \[(0, )?1\] did not finish within 20s"):
+        run_ranks(_hang_on_one, 2, timeout=20)
+    assert time.monotonic() - start < 50
