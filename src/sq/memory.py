@@ -57,3 +57,17 @@ def io_read_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def prefer_mmap_for_large_allocations(threshold: int = 64 * 1024) -> bool:
+    """Ask glibc to serve allocations above ``threshold`` with mmap, so freed block tensors go back
+    to the OS instead of fragmenting the heap (peak RSS would otherwise creep up per block).
+    No-op (False) where glibc's ``mallopt`` is unavailable."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False

@@ -32,6 +32,9 @@ def build_parser() -> ArgParser:
     p.add_argument("--resume", default="auto", choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
+    p.add_argument("--actorder", default="static", choices=("static", "off"),
+                   help="GPTQ column order: static act-order (descending Hessian diagonal, scales fixed up "
+                        "front, as llm-compressor) or off (natural order)")
     p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
     return p
 
@@ -43,7 +46,7 @@ def parse_args(argv=None):
     return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
                      nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), timeout_s=a.timeout, ep=a.ep,
-                     calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
+                     calibrate_all_experts=a.calibrate_all, resume=a.resume, actorder=a.actorder == "static", bookkeeping=a.bookkeeping,
                      fault=os.environ.get("SQ_FAULT"))
 
 
@@ -52,7 +55,10 @@ def main(argv=None) -> int:
         from sq.dist import init_distributed, setup_logging
         from sq.quant.blockwise import quantize_model
 
+        from sq.memory import prefer_mmap_for_large_allocations
+
         cfg = parse_args(argv)
+        prefer_mmap_for_large_allocations()
         env = init_distributed(timeout_s=cfg.timeout_s)
         setup_logging(env.rank)
         report = quantize_model(cfg)

@@ -153,6 +153,10 @@ def _fsdp_reset(model: nn.Module, leaves: set[nn.Module]) -> None:
             for fp in group.fsdp_params:
                 if fp._module_info.module in leaves:
                     fp.reset_sharded_param()
+                    # torch returns early for a meta parameter and would keep the freed shard's
+                    # (padded) CPU buffer alive: memory would grow with every block streamed
+                    if fp.sharded_param._local_tensor.is_meta and not fp._sharded_param_data.is_meta:
+                        fp._sharded_param_data = fp._sharded_param_data.to("meta")
 
 
 @torch.no_grad()

@@ -69,6 +69,7 @@ class PTQConfig:
     timeout_s: float = 600.0
     ep: int = 1
     calibrate_all_experts: bool = True
+    actorder: bool = True  # GPTQ static act-order (llm-compressor's default for group scales)
     resume: str = "auto"  # auto | never | require
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
@@ -290,11 +291,11 @@ class _Counting:
         self._first.clear()
 
 
-def _quantize_rows(w: torch.Tensor, scheme, gptq, name: str):
+def _quantize_rows(w: torch.Tensor, scheme, gptq, name: str, actorder: bool = True):
     """(q, scale, zp, dequantized) for this rank's rows ``w [rows, in]``."""
 
     if gptq is not None and w.shape[0]:
-        r = gptq.quantize(w, scheme, name=name, **GPTQConfig().to_dict())
+        r = gptq.quantize(w, scheme, name=name, **GPTQConfig(actorder=actorder).to_dict())
         return r.q, r.scale, r.zero_point, r.weight.to(w.dtype)
     scale, zp = rtn.compute_qparams(w, scheme)
     q = rtn.quantize(w, scale, zp, scheme)
@@ -324,7 +325,7 @@ def _signature(cfg: PTQConfig, scheme, plan, text: str | None, world: int) -> di
         "source": source_identity(plan.source),
         "args": cfg.signature_args(),
         "scheme": scheme.to_dict(),
-        "gptq": GPTQConfig().to_dict(),
+        "gptq": GPTQConfig(actorder=cfg.actorder).to_dict(),
         "dataset": {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None},
         "world_size": world,
         "blocks": list(plan.block_prefixes),
@@ -333,7 +334,7 @@ def _signature(cfg: PTQConfig, scheme, plan, text: str | None, world: int) -> di
     }
 
 
-def _quantize_experts(experts, calibs, scheme, algo: str):
+def _quantize_experts(experts, calibs, scheme, algo: str, actorder: bool = True):
     """Quantize the local rows of every local expert; write the dequantized rows back.
 
     Returns ``{experts prefix: {param: (q, scale, zp) local [n_local, rows_local, ...]}}`` and
@@ -357,7 +358,7 @@ def _quantize_experts(experts, calibs, scheme, algo: str):
                         if pname == "gate_up_proj":
                             fallback.append(f"{eprefix}.{e}")
                 w = local[i].detach().clone()
-                q, scale, zp, deq = _quantize_rows(w, scheme, g, f"{eprefix}.{e}.{pname}")
+                q, scale, zp, deq = _quantize_rows(w, scheme, g, f"{eprefix}.{e}.{pname}", actorder)
                 local[i].copy_(deq)
                 qs.append(q), ss.append(scale), zs.append(zp)
             out[eprefix][pname] = (torch.stack(qs) if qs else None, torch.stack(ss) if ss else None,
@@ -544,14 +545,14 @@ def quantize_model(cfg: PTQConfig) -> dict:
             local, _ = local_box(lin.module.weight)
             g = counting.get(lin.name) if counting else None
             w = local.detach().clone()
-            q, scale, zp, deq = _quantize_rows(w, scheme, g, lin.name)
+            q, scale, zp, deq = _quantize_rows(w, scheme, g, lin.name, cfg.actorder)
             H = g.H if g is not None else None
             terms = _err_terms(w, deq, H)
             if g is not None:  # RTN on the same rows and Hessian, for comparison in the report
                 terms += _err_terms(w, _quantize_rows(w, scheme, None, lin.name)[3], H)
             local.copy_(deq)
             results[lin.name] = (q, scale, zp, terms)
-        expert_q, fallback = _quantize_experts(experts, calibs, scheme, cfg.algo)
+        expert_q, fallback = _quantize_experts(experts, calibs, scheme, cfg.algo, cfg.actorder)
         if counting:
             for g in counting.gptq.values():
                 g.free()
