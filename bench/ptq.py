@@ -13,10 +13,11 @@ symmetric, group 64; calibration = sq.ptq's defaults, ``--dataset builtin:pydoc 
 Runs (``--runs``, in this order by default; the quantizations first so their wall times are
 measured before anything else shares the CPU):
   rtn_w2      torchrun 2 ranks, OMP_NUM_THREADS=1, --algo rtn
-  gptq_w2     torchrun 2 ranks, OMP_NUM_THREADS=1, --algo gptq
+  gptq_w2     torchrun 2 ranks, OMP_NUM_THREADS=1, --algo gptq (static act-order, the default)
   gptq_w1     python -m sq.ptq (world 1), OMP_NUM_THREADS=1, --algo gptq  (speed-up reference)
   eval_fp     python -m sq.eval --model demo:smollm2
   eval_rtn_w2, eval_gptq_w2, eval_gptq_w1   python -m sq.eval --model OUTPUT
+Opt-in: gptqoff_w2, eval_gptqoff_w2   the same with --actorder off (natural column order).
 
 Each run appends one JSON line to ``bench/_work/ptq/results.jsonl``: command, wall seconds
 (subprocess start to exit), the report's own seconds, per-rank peak RSS, rank 0's per-block
@@ -47,9 +48,8 @@ MODEL = "demo:smollm2"
 QUANT = ["--scheme", "W4A16", "--group-size", "64", "--nsamples", "128", "--seqlen", "512"]
 EVAL = ["--nwindows", "40", "--seqlen", "512"]
 RUNS = ("rtn_w2", "gptq_w2", "gptq_w1", "eval_fp", "eval_rtn_w2", "eval_gptq_w2", "eval_gptq_w1")
-# opt-in: sq.ptq with GPTQ static act-order (llm-compressor's default), patched in from here
-EXTRA = ("gptqactorder_w2", "eval_gptqactorder_w2")
-ACTORDER_FLAG = "--as-sq-ptq-with-actorder"
+# opt-in: GPTQ in natural column order (--actorder off; the driver's default before c1c0d7c)
+EXTRA = ("gptqoff_w2", "eval_gptqoff_w2")
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
     ("plain RTN (absmax/7.5) = llm-compressor RTN", "16.03", ""),
@@ -63,10 +63,10 @@ PPL_RE = re.compile(r"perplexity: ([\d.]+)")
 
 def quant_cmd(run: str, out: Path) -> tuple[list[str], dict]:
     algo, world = run.split("_w")
-    entry = ["-m", "sq.ptq"]
-    if algo == "gptqactorder":
-        algo, entry = "gptq", [str(Path(__file__).resolve()), ACTORDER_FLAG]
-    args = [*entry, "--model", MODEL, "--output", str(out), "--algo", algo, *QUANT]
+    extra = []
+    if algo == "gptqoff":
+        algo, extra = "gptq", ["--actorder", "off"]
+    args = ["-m", "sq.ptq", "--model", MODEL, "--output", str(out), "--algo", algo, *QUANT, *extra]
     if int(world) == 1:
         cmd = [PY, *args]
     else:
@@ -172,7 +172,7 @@ def table(recs: dict[str, dict]) -> str:
     if fp:
         lines.append(f"| fp (demo:smollm2, bf16 weights, fp32 eval) | - | - | - | - | - | {fp:.2f} | 1.00 |")
     for run, label in (("rtn_w2", "sq RTN"), ("gptq_w2", "sq GPTQ"), ("gptq_w1", "sq GPTQ"),
-                       ("gptqactorder_w2", "sq GPTQ, static act-order (patched)")):
+                       ("gptqoff_w2", "sq GPTQ --actorder off")):
         q = recs.get(run)
         if not q:
             continue
@@ -205,21 +205,7 @@ def table(recs: dict[str, dict]) -> str:
     return "\n".join(lines + [""] + [f"- {n}" for n in notes] + peers)
 
 
-def ptq_with_actorder(argv: list[str]) -> int:
-    """``sq.ptq`` with ``GPTQConfig(actorder=True)`` (the driver does not expose it yet)."""
-    import functools
-
-    import sq.quant.blockwise as bw
-    from sq.ptq import main as ptq_main
-    from sq.quant.gptq import GPTQConfig
-
-    bw.GPTQConfig = functools.partial(GPTQConfig, actorder=True)
-    return ptq_main(argv)
-
-
 def main() -> int:
-    if sys.argv[1:2] == [ACTORDER_FLAG]:
-        return ptq_with_actorder(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS + EXTRA)}")
     p.add_argument("--w1-limit", type=float, default=None, help="kill the 1-rank GPTQ run after S seconds")

@@ -21,16 +21,13 @@ kept item per block is well over 15% of the peak:
 The test checks its own sensitivity from the checkpoint's shapes and fails ("went blind") when
 such a leak would no longer exceed the threshold, instead of passing without seeing it.
 
-Measured (peak per rank, L=4 -> 8), with the driver as of this writing:
-  rtn  648 -> 789 MiB (+22%, FAILS)   gptq 826/863 -> 945/956 MiB (+11..14%)
-and with two fixes applied from outside (tests would pass):
-  rtn  493 -> 493 MiB (+0.2%)         gptq 699/700 -> 701/700 MiB (+0.2%)
-The two leaks: (1) FSDP2's ``FSDPParam._sharded_param_data`` keeps the old local shard alive
-after ``sq.load.free()`` moves a parameter to meta (``reset_sharded_param`` returns early for a
-meta tensor): one shard per block; (2) glibc's dynamic mmap threshold: freed 2-32 MiB buffers
-(shards, Hessians, Cholesky factors) are then served from a heap that fragments and never
-shrinks (~40 MiB per GPTQ block at hidden 1024).  Fixes: drop ``_sharded_param_data`` of
-meta params in ``free()``; ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` once at start-up.
+Measured (peak per rank, L=4 -> 8) before commit c1c0d7c: rtn 648 -> 789 MiB (+22%, failed),
+gptq 826/863 -> 945/956 MiB (+11..14%); with its two fixes: rtn 493 -> 493 MiB, gptq 700 -> 701 MiB.
+The two leaks it found: (1) FSDP2's ``FSDPParam._sharded_param_data`` kept each freed block's
+local shard alive after ``free()`` moved the parameter to meta (``reset_sharded_param`` returns
+early for a meta tensor): one shard per block; (2) glibc's dynamic mmap threshold: freed 2-32 MiB
+buffers (shards, Hessians, Cholesky factors) were served from a heap that fragments and never
+shrinks (~40 MiB per GPTQ block at hidden 1024); fixed by ``sq.memory.prefer_mmap_for_large_allocations``.
 Cost: ~150 CPU-seconds (4 checkpoints built, 4 two-rank runs, mostly imports).
 """
 
