@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from sq.errors import SqError
+from sq.resume import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -102,20 +103,12 @@ def _cached_build(root: Path, name: str, build: Callable[[Path], None]) -> Path:
             (tmp / _DONE).write_text(json.dumps(info, indent=2) + "\n")
             _fsync_tree(tmp)
             os.rename(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         logger.info("built demo:%s in %.1f s", name, time.perf_counter() - start)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -124,7 +117,7 @@ def _fsync_tree(path: Path) -> None:
         for fname in filenames:
             with open(os.path.join(dirpath, fname), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
 # ----------------------------------------------------------------------------- builders

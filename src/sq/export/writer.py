@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sq.errors import SqError
-from sq.resume import safetensors_bytes, sha256_bytes, write_bytes_atomic
+from sq.resume import fsync_dir, safetensors_bytes, sha256_bytes, write_bytes_atomic
 
 __all__ = [
     "INDEX_NAME",
@@ -56,14 +56,6 @@ def shard_name(rank: int, block: int | None) -> str:
     return f"model-rank{rank:05d}-{tail}.safetensors"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic(path: Path, write) -> None:
     """``write(tmp_path)``, then fsync and rename into place (ENOSPC: a clean error naming the file)."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -78,7 +70,7 @@ def _atomic(path: Path, write) -> None:
             raise SqError(f"no space left on the device while writing {path}; free space and rerun the same "
                           "command to resume") from None
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_shard(out: Path, name: str, tensors: Mapping[str, torch.Tensor], *, die_midway=None,
