@@ -32,3 +32,26 @@ def load_any(path, **kw):
     out = cls.from_pretrained(path, **kw)
     (out[0] if isinstance(out, tuple) else out).eval()
     return out
+
+
+@torch.no_grad()
+def library_rtn_freeze(module: nn.Module) -> None:
+    """compressed-tensors' own RTN for one module with an applied scheme: min/max qparams, FROZEN.
+
+    The reference path both the per-Linear and the whole-model library-equality tests compare with.
+    """
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = module.quantization_scheme.weights
+    w = module.weight.data
+    if args.strategy == "group":
+        w = w.unflatten(-1, (-1, args.group_size))
+        mn, mx = w.amin(-1), w.amax(-1)
+    else:
+        mn, mx = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale, zp = calculate_qparams(mn, mx, args)
+    module.weight_scale.data.copy_(scale)
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zp)
+    module.quantization_status = QuantizationStatus.FROZEN

@@ -16,6 +16,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 
+from quant_ref import library_rtn_freeze
 from sq.errors import SqError
 from sq.export.compressed import (
     compress_weight,
@@ -62,18 +63,7 @@ def _library_compress(model: torch.nn.Module, name: str, tmp_path):
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        args = module.quantization_scheme.weights
-        w = module.weight.data
-        if args.strategy == "group":
-            w = w.unflatten(-1, (-1, args.group_size))
-            mn, mx = w.amin(-1), w.amax(-1)
-        else:
-            mn, mx = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        scale, zp = calculate_qparams(mn, mx, args)
-        module.weight_scale.data.copy_(scale)
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zp)
-        module.quantization_status = QuantizationStatus.FROZEN
+        library_rtn_freeze(module)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     (tmp_path / "config.json").write_text("{}")

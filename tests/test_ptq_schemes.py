@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from quant_ref import fake_quantized_reference, load_any
+from quant_ref import library_rtn_freeze, fake_quantized_reference, load_any
 from sq.quant.schemes import get_scheme
 from test_ptq_moe import _quantize_all, _same_bits, _tensors
 
@@ -107,18 +107,7 @@ def _library_compressed(src, qc_dict: dict, tmp_path):
         if getattr(module, "quantization_scheme", None) is None:
             continue
         n += 1
-        args = module.quantization_scheme.weights
-        w = module.weight.data
-        if args.strategy == "group":
-            w = w.unflatten(-1, (-1, args.group_size))
-            mn, mx = w.amin(-1), w.amax(-1)
-        else:
-            mn, mx = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        scale, zp = calculate_qparams(mn, mx, args)
-        module.weight_scale.data.copy_(scale)
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zp)
-        module.quantization_status = QuantizationStatus.FROZEN
+        library_rtn_freeze(module)
     assert n == 3 * 7  # every decoder Linear of the 3-layer fixture, lm_head ignored
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
