@@ -23,6 +23,8 @@ To combine Hessians across ranks: all-reduce (SUM) ``gptq.H`` and ``gptq.nsample
 
 from __future__ import annotations
 
+from sq.dictconfig import DictConfig
+
 import dataclasses
 import logging
 import math
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GPTQConfig:
+class GPTQConfig(DictConfig):
     """Algorithm settings; ``GPTQ.quantize(w, scheme, **cfg.to_dict())``.
 
     ``actorder``: quantize columns by descending ``diag(H)`` ("static" act-order as in
@@ -72,16 +74,6 @@ class GPTQConfig:
         if not (isinstance(self.damp_growth, (int, float)) and self.damp_growth > 1):
             raise ValueError(f"damp_growth must be > 1, got {self.damp_growth!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GPTQConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTQConfig fields {unknown}")
-        return cls(**d)
 
 
 @dataclass

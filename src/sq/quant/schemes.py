@@ -20,6 +20,8 @@ FP8_DYNAMIC    float8 e4m3 per output channel; activations float8     float-quan
 
 from __future__ import annotations
 
+from sq.dictconfig import DictConfig
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +48,7 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
 
 @dataclass(frozen=True)
-class QuantScheme:
+class QuantScheme(DictConfig):
     """How one Linear weight ``[out, in]`` is quantized.
 
     Scales run along ``in`` (one per ``group_size`` columns, or one per row for
@@ -132,16 +134,6 @@ class QuantScheme:
 
     # -- serialization -------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> QuantScheme:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown QuantScheme fields {unknown}")
-        return cls(**d)
 
 
 def _presets(group_size: int) -> dict[str, QuantScheme]:
