@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from typing import Callable
 
@@ -35,3 +37,17 @@ def run_cli(body: Callable[[], object]) -> int:
             destroy_distributed()
         except Exception:
             pass
+
+
+def exit_process(code: int) -> None:
+    """Leave a command-line run at once, after its process group is gone.
+
+    ``os._exit`` skips interpreter finalization: a gloo group that FSDP2 or a DeviceMesh still
+    references outlives ``destroy_process_group``, and joining its worker threads during
+    finalization can abort the process ("terminate called without an active exception") after
+    the work was done.  Every file sq writes is closed and fsynced before this point.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -116,4 +116,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sq.cli import exit_process
+
+    exit_process(main())

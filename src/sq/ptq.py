@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from sq.cli import ArgParser, run_cli
 from sq.quant.schemes import SCHEME_NAMES
@@ -69,4 +68,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sq.cli import exit_process
+
+    exit_process(main())

@@ -640,9 +640,23 @@ def quantize_model(cfg: PTQConfig) -> dict:
     all_mine = [None] * world
     dist.all_gather_object(all_frags, fragments)
     dist.all_gather_object(all_mine, mine)
-    if rank != 0:
-        return {}
+    # rank 0 writes config, side files, report and (last) the index; every rank learns how that went,
+    # so a failure there fails the whole job and no rank tears down while rank 0 still works
+    report, err = {}, None
+    if rank == 0:
+        try:
+            report = _finish(cfg, plan, src, out, scheme, unquantized, stats, all_mine, all_frags, start,
+                             t_start, fault, state)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
+            err = e
+    all_ok(err is None, "writing the config, report and index")
+    if err is not None:
+        raise err
+    return report
 
+
+def _finish(cfg, plan, src, out, scheme, unquantized, stats, all_mine, all_frags, start, t_start, fault,
+            state) -> dict:
     config = dict(plan.source.config)
     config["quantization_config"] = quantization_config({scheme: ["Linear"]}, unquantized)
     writer.write_json(out / "config.json", config)
@@ -655,7 +669,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
         "args": cfg.to_dict(),
         "source": str(src),
         "scheme": scheme.to_dict(),
-        "world_size": world,
+        "world_size": len(all_mine),
         "versions": {"sq": getattr(sq, "__version__", "dev"), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "ignored_linears": unquantized,
@@ -668,6 +682,6 @@ def quantize_model(cfg: PTQConfig) -> dict:
         "resumed_from_block": start,
     }
     writer.write_json(out / "sq_report.json", report)
-    writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", rank))
+    writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
     state.finish()  # the index and config exist: the run folder is no longer needed
     return report
