@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -74,16 +75,21 @@ def _atomic(path: Path, write) -> None:
 
 
 def write_shard(out: Path, name: str, tensors: Mapping[str, torch.Tensor], *, die_midway=None,
-                checksum: bool = True) -> dict | None:
+                checksum: bool = True, timings: dict[str, float] | None = None) -> dict | None:
     """Write one safetensors file atomically; return its record (size, sha256, tensor names) or None.
 
     The bytes are serialized once in memory, hashed, then written, so the checksum costs no re-read.
+    ``timings["checksum"]`` (if given) accumulates the seconds spent hashing.
     """
     if not tensors:
         return None
     data = safetensors_bytes(dict(tensors))
     write_bytes_atomic(Path(out) / name, data, die_midway=die_midway)
-    return {"size": len(data), "sha256": sha256_bytes(data) if checksum else None, "tensors": sorted(tensors)}
+    t = time.perf_counter()
+    sha = sha256_bytes(data) if checksum else None
+    if timings is not None:
+        timings["checksum"] = timings.get("checksum", 0.0) + time.perf_counter() - t
+    return {"size": len(data), "sha256": sha, "tensors": sorted(tensors)}
 
 
 def write_tensors(out: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -610,15 +610,19 @@ def quantize_model(cfg: PTQConfig) -> dict:
             die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
         elif fault is not None and fault.hit("enospc", rank, b):
             die = _raise_enospc
-        rec = writer.write_shard(out, shard, tensors, die_midway=die, checksum=cfg.bookkeeping)
+        book = {}  # resume bookkeeping: checksum, chain cache, manifest (reported on its own)
+        rec = writer.write_shard(out, shard, tensors, die_midway=die, checksum=cfg.bookkeeping, timings=book)
         maybe_die(fault, "after-shard-write", rank, b)
         if rec:
             fragments.update({k: shard for k in rec["tensors"]})
+        t_book = time.perf_counter()
         if cfg.algo == "gptq" and b + 1 < len(blocks):
             state.write_chain(b + 1, [h for h, _ in inputs])
         state.record_block(b, {shard: rec} if rec else {}, fault)
+        book_s = book.get("checksum", 0.0) + time.perf_counter() - t_book
         free(model, plan, names)
-        phase["write"] = time.perf_counter() - t
+        phase["write"] = time.perf_counter() - t - book_s
+        phase["bookkeeping"] = book_s
         total = time.perf_counter() - t0
         stats.blocks.append({"block": b, "seconds": round(total, 3),
                              **{k: round(v, 3) for k, v in phase.items()}})
