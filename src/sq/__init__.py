@@ -4,7 +4,7 @@ from sq.errors import LoadRefused, SqError
 
 __version__ = "0.1.0"
 
-__all__ = ["LoadRefused", "SqError", "__version__", "load_sharded"]
+__all__ = ["LoadRefused", "SqError", "__version__", "load_sharded", "quantize"]
 
 
 def __getattr__(name):
@@ -13,4 +13,8 @@ def __getattr__(name):
         from sq.load.loader import load_sharded
 
         return load_sharded
+    if name == "quantize":
+        from sq.api import quantize
+
+        return quantize
     raise AttributeError(f"module 'sq' has no attribute {name!r}")

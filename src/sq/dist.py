@@ -154,6 +154,9 @@ def all_reduce_min_int(value: int) -> int:
 # ---------------------------------------------------------------- logging
 
 
+LOG_FORMAT = logging.Formatter("[sq r%(rank)d %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+
+
 class _RankFilter(logging.Filter):
     """Let records through on rank 0, and warnings/errors on every rank."""
 
@@ -172,10 +175,11 @@ def setup_logging(rank: int, *, level: int = logging.INFO, all_ranks: bool = Fal
     logger.setLevel(level)
     for h in list(logger.handlers):
         logger.removeHandler(h)
-    fmt = logging.Formatter("[sq r%(rank)d %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    fmt = LOG_FORMAT
     stream = logging.StreamHandler()
     stream.setFormatter(fmt)
     stream.addFilter(_RankFilter(rank, all_ranks))
+    stream.addFilter(lambda record: not getattr(record, "file_only", False))  # shown by a progress bar
     logger.addHandler(stream)
     if log_file is not None:
         os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)

@@ -24,6 +24,9 @@ def build_parser() -> ArgParser:
     p.add_argument("--dataset", default="builtin:pydoc")
     p.add_argument("--ignore", nargs="*", default=[], metavar="REGEX",
                    help="Linear module names (re.search) left unquantized")
+    p.add_argument("--recipe", default=None, metavar="FILE",
+                   help="mixed precision: YAML/JSON of ordered regex -> scheme rules and a default "
+                        "(docs/recipes.md)")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the world size)")
     p.add_argument("--no-calibrate-all-experts", dest="calibrate_all", action="store_false",
@@ -44,7 +47,7 @@ def parse_args(argv=None):
     a = build_parser().parse_args(argv)
     return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
                      nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
-                     ignore=tuple(a.ignore), timeout_s=a.timeout, ep=a.ep,
+                     ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, actorder=a.actorder == "static", bookkeeping=a.bookkeeping,
                      fault=os.environ.get("SQ_FAULT"))
 

@@ -33,7 +33,7 @@ from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
 from sq.load.fill import local_box
-from sq.load.loader import fill, free, plan_load
+from sq.load.loader import plan_load
 from sq.load.meta import build_skeleton, decoder_blocks, experts_modules
 from sq.memory import peak_rss_bytes
 from sq.parallel.fsdp import apply_parallel
@@ -41,8 +41,11 @@ from sq.quant import rtn
 from sq.quant.experts import (FUSED, ExpertCalibration, export_slots, gather_rows_bytes, is_ep_param,
                               local_experts)
 from sq.quant.gptq import GPTQ, GPTQConfig
-from sq.resume import Fault, RunState, maybe_die, sha256_bytes, signature_diff, source_identity
-from sq.quant.schemes import check_group_size, get_scheme
+from sq.quant.recipe import Assigner, make_assigner, scheme_tag
+from sq.quant.schemes import QuantScheme, check_group_size
+from sq.quant.weights import CheckpointWeights
+from sq.report import LOG_DIR, add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
+from sq.resume import RUN_DIR, Fault, RunState, maybe_die, sha256_bytes, signature_diff
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class PTQConfig:
     seed: int = 0
     dataset: str = "builtin:pydoc"
     ignore: tuple[str, ...] = ()
+    recipe: str | None = None  # mixed-precision recipe file (sq.quant.recipe)
     timeout_s: float = 600.0
     ep: int = 1
     calibrate_all_experts: bool = True
@@ -91,7 +95,7 @@ class PTQConfig:
             except re.error as e:
                 out.append(f"--ignore {pat!r} is not a valid regular expression: {e}")
         try:
-            get_scheme(self.scheme, self.group_size)
+            make_assigner(self.scheme, self.group_size, (), None)
         except SqError as e:
             out += e.problems
         return out
@@ -119,6 +123,7 @@ class _Linear:
     module: nn.Linear
     ckpt_prefix: str  # checkpoint name minus "weight", e.g. model.layers.3.self_attn.q_proj.
     owner: int  # writer rank
+    scheme: QuantScheme
 
 
 @dataclass
@@ -126,17 +131,6 @@ class _Stats:
     layers: dict[str, dict] = field(default_factory=dict)
     blocks: list[dict] = field(default_factory=list)
     experts_rtn_fallback: int = 0  # experts no calibration token reached (quantized with RTN)
-
-
-def _ckpt_name(plan, target: str) -> str:
-    """The checkpoint key that fills ``target`` whole (dense: exact or suffix rule)."""
-    pieces = plan.keymap.pieces.get(target, [])
-    shape = tuple(plan.targets[target])
-    if (len(pieces) != 1 or pieces[0].stack_dim is not None or tuple(pieces[0].lengths) != shape
-            or any(pieces[0].offsets)):
-        raise SqError(f"{target} is filled from {len(pieces)} checkpoint piece(s) (fused/stacked layout); "
-                      "only one-to-one dense tensors can be exported yet")
-    return pieces[0].ckpt_key
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -167,8 +161,8 @@ def _gather_rows(t: torch.Tensor | None, rows: list[int], dst: int, like_cols: i
     return torch.cat([p[:n] for p, n in zip(parts, rows)]).view(dtype).reshape(sum(rows), like_cols)
 
 
-def _refusals(model, plan, cfg: PTQConfig, scheme, ignore_re) -> list[str]:
-
+def _refusals(model, cfg: PTQConfig, assigner: Assigner) -> list[str]:
+    """Model-dependent refusals (identical on every rank): group sizes per assigned scheme, EP split."""
     problems = []
     world = dist.get_world_size()
     if world % cfg.ep:
@@ -176,15 +170,18 @@ def _refusals(model, plan, cfg: PTQConfig, scheme, ignore_re) -> list[str]:
     for prefix, block in decoder_blocks(model):
         for n, ex in experts_modules(block):
             e, hidden, inter = ex._parameters["down_proj"].shape
+            scheme = assigner.assign(f"{prefix}.{n}")
             for pname, width in (("gate_up_proj", hidden), ("down_proj", inter)):
                 try:
-                    check_group_size(f"{prefix}.{n}.{pname}", width, scheme)
+                    if scheme is not None:
+                        check_group_size(f"{prefix}.{n}.{pname}", width, scheme)
                 except SqError as err:
                     problems += err.problems
             if cfg.ep > 1 and e % cfg.ep:
                 problems.append(f"{prefix}.{n}: {e} experts do not split evenly over --ep {cfg.ep}")
         for n, m in block.named_modules():
-            if isinstance(m, nn.Linear) and not ignore_re(f"{prefix}.{n}"):
+            scheme = assigner.assign(f"{prefix}.{n}") if isinstance(m, nn.Linear) else None
+            if scheme is not None:
                 try:
                     check_group_size(f"{prefix}.{n}", m.in_features, scheme)
                 except SqError as e:
@@ -314,27 +311,24 @@ def _raise_enospc() -> None:
     raise OSError(28, "No space left on device (injected)")
 
 
-def _signature(cfg: PTQConfig, scheme, plan, text: str | None, world: int) -> dict:
-    """Everything a resumed run must share with the run it continues."""
-    import compressed_tensors
-    import transformers
-
-    import sq
-
+def _signature(cfg: PTQConfig, assigner: Assigner, assignment: dict[str, str], weights, data: dict,
+               world: int, block_prefixes: list[str]) -> dict:
+    """Everything a resumed run must share with the run it continues, including the resolved
+    module -> scheme assignment (two runs that differ only in bit allocation never match)."""
     return {
-        "source": source_identity(plan.source),
+        "source": weights.identity(),
         "args": cfg.signature_args(),
-        "scheme": scheme.to_dict(),
+        "schemes": assigner.to_dict(),
+        "assignment": assignment,
         "gptq": GPTQConfig(actorder=cfg.actorder).to_dict(),
-        "dataset": {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None},
+        "dataset": data,
         "world_size": world,
-        "blocks": list(plan.block_prefixes),
-        "versions": {"sq": sq.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "compressed_tensors": compressed_tensors.__version__},
+        "blocks": list(block_prefixes),
+        "versions": _versions(),
     }
 
 
-def _quantize_experts(experts, calibs, scheme, algo: str, actorder: bool = True):
+def _quantize_experts(experts, calibs, algo: str, actorder: bool = True):
     """Quantize the local rows of every local expert; write the dequantized rows back.
 
     Returns ``{experts prefix: {param: (q, scale, zp) local [n_local, rows_local, ...]}}`` and
@@ -342,7 +336,7 @@ def _quantize_experts(experts, calibs, scheme, algo: str, actorder: bool = True)
     """
     out, fallback = {}, []
     by_module = {id(c.experts): c for c in calibs}
-    for eprefix, ex in experts:
+    for eprefix, ex, scheme in experts:
         calib = by_module.get(id(ex))
         out[eprefix] = {}
         for pname in FUSED:
@@ -369,7 +363,7 @@ def _quantize_experts(experts, calibs, scheme, algo: str, actorder: bool = True)
     return out, fallback
 
 
-def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, plan, scheme) -> dict[str, torch.Tensor]:
+def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme) -> dict[str, torch.Tensor]:
     """Compressed per-expert tensors under checkpoint-layout names, written by the rank holding them.
 
     Under EP with dp > 1 an expert's rows are spread over the dp group: they are gathered there
@@ -386,7 +380,7 @@ def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, plan, scheme) -> d
         if q is None:
             continue
         full[pname] = tuple(gather_rows_bytes(t, p) if t is not None else None for t in (q, scale, zp))
-    for slot in export_slots(eprefix, ex, plan.keymap.pieces):
+    for slot in export_slots(eprefix, ex, pieces):
         if slot.expert not in mine or slot.expert % dp != dp_rank or slot.param not in full:
             continue
         q, scale, zp = full[slot.param]
@@ -398,42 +392,96 @@ def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, plan, scheme) -> d
     return tensors
 
 
-@torch.no_grad()
-def quantize_model(cfg: PTQConfig) -> dict:
-    """Run the whole job inside an initialized process group; return the report (rank 0) or {}."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t_start = time.perf_counter()
-    out = Path(cfg.output)
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    fault = Fault.parse(cfg.fault)
 
-    # ---- refusals: arguments, output folder, checkpoint, model; nothing mutated yet
-    problems = cfg.problems()
-    all_ok(not problems, "argument checks")
+def _raise_all(problems: list[str], what: str) -> None:
+    """Every rank raises together (the same problems where they are the same), or none does."""
+    all_ok(not problems, what)
     if problems:
         raise SqError(problems)
-    state = RunState(out, rank, enabled=cfg.bookkeeping)
-    if (out / writer.INDEX_NAME).is_file() and not state.root.exists():
+
+
+@torch.no_grad()
+def quantize_model(cfg: PTQConfig) -> dict:
+    """``sq.ptq``: a checkpoint folder in, a compressed-tensors checkpoint out.
+
+    Runs inside an initialized process group; returns the report on rank 0, ``{}`` elsewhere.
+    """
+    t_start = time.perf_counter()
+    world = dist.get_world_size()
+    device = _device()
+    _raise_all(cfg.problems(), "argument checks")
+    out = Path(cfg.output)
+    if (out / writer.INDEX_NAME).is_file() and not (out / RUN_DIR).exists():
         logger.info("%s is already complete (it has %s); nothing to do", out, writer.INDEX_NAME)
         return {"complete": True}
-    old_sig = state.read_signature()
-    scheme = get_scheme(cfg.scheme, cfg.group_size)
-    pats = [re.compile(p) for p in cfg.ignore]
-
-    def ignored(name: str) -> bool:
-        return any(p.search(name) for p in pats)
+    assigner, problems = None, []
+    try:
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe)
+    except SqError as e:
+        problems += e.problems
+    _raise_all(problems, "recipe checks")
 
     src = Path(resolve_model(cfg.model))
     if not src.is_dir():
         raise SqError(f"--model {cfg.model}: not a local checkpoint directory (hub download is not supported)")
     model = build_skeleton(src)
     plan = plan_load(model, src)
-    problems = _refusals(model, plan, cfg, scheme, ignored)
-    text = None
-    if cfg.algo == "gptq":
-        text = load_text(cfg.dataset)
-    sig = _signature(cfg, scheme, plan, text, world)
+    weights = CheckpointWeights(model, plan, src, device)
+    text = load_text(cfg.dataset) if cfg.algo == "gptq" else None
+
+    def windows() -> torch.Tensor:
+        from transformers import AutoTokenizer
+
+        tokens = tokenize_corpus(AutoTokenizer.from_pretrained(src), text)
+        return calibration_windows(tokens, cfg.nsamples, cfg.seqlen)
+
+    data = {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None}
+    return _run(cfg, model, weights, assigner, data, windows,
+                parallelize=lambda: apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type)),
+                t_start=t_start)
+
+
+@torch.no_grad()
+def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: dict, windows,
+         parallelize, t_start: float) -> dict:
+    """The job, whatever the weights' source: checks, output folder, blocks, final stage."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()
+    out = Path(cfg.output)
+    fault = Fault.parse(cfg.fault)
+    state = RunState(out, rank, enabled=cfg.bookkeeping)
+    old_sig = state.read_signature()
+
+    # ---- refusals: model, output folder; nothing mutated yet
+    problems = _refusals(model, cfg, assigner)
+    blocks = decoder_blocks(model)
+    block_linears: list[list[_Linear]] = []
+    k = 0
+    for prefix, block in blocks:
+        mine = []
+        for n, m in block.named_modules():
+            full = f"{prefix}.{n}"
+            scheme = assigner.assign(full) if isinstance(m, nn.Linear) else None
+            if scheme is not None:
+                ck = weights.ckpt_name(f"{full}.weight")
+                mine.append(_Linear(full, m, ck.removesuffix("weight"), k % world, scheme))
+                k += 1
+        block_linears.append(mine)
+    block_experts = [[(f"{prefix}.{n}", ex, assigner.assign(f"{prefix}.{n}")) for n, ex in experts_modules(block)]
+                     for prefix, block in blocks]
+    block_experts = [[e for e in es if e[2] is not None] for es in block_experts]
+    quantized = {l.name for ls in block_linears for l in ls}
+    # every unquantized Linear by name, and the MoE routers (vLLM builds them as Linears)
+    unquantized = sorted({n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized}
+                         | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")})
+    assignment = {l.name: scheme_tag(l.scheme) for ls in block_linears for l in ls}
+    assignment.update({p: scheme_tag(s) for es in block_experts for p, _, s in es})
+    if not assignment:
+        problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+    sig = _signature(cfg, assigner, assignment, weights, data, world, [p for p, _ in blocks])
     if old_sig is None:
         problems += writer.output_dir_problems(out)
         if cfg.resume == "require":
@@ -441,11 +489,10 @@ def quantize_model(cfg: PTQConfig) -> dict:
     elif cfg.resume != "never":
         changed = signature_diff(old_sig, sig)
         if changed:
-            problems.append(f"{out} holds an unfinished run with different settings ({', '.join(changed)}); "
+            shown = changed[:8] + ([f"... {len(changed) - 8} more"] if len(changed) > 8 else [])
+            problems.append(f"{out} holds an unfinished run with different settings ({', '.join(shown)}); "
                             "rerun with the same command, or pass --resume never to start over")
-    all_ok(not problems, "model and output checks")  # every rank has looked at the folder before it changes
-    if problems:
-        raise SqError(problems)
+    _raise_all(problems, "model and output checks")  # every rank has looked at the folder before it changes
     if rank == 0:
         try:
             if old_sig is not None and cfg.resume == "never":
@@ -456,33 +503,14 @@ def quantize_model(cfg: PTQConfig) -> dict:
                 state.write_signature(sig)
         except SqError as e:
             problems += e.problems
-    all_ok(not problems, "taking the output folder")
-    if problems:
-        raise SqError(problems)
+    _raise_all(problems, "taking the output folder")
+    log_file = add_log_file(out / LOG_DIR / f"rank-{rank:05d}.log")
+    logger.info("quantizing %s -> %s on %d rank(s): %d Linears, %d expert groups", weights.describe(), out,
+                world, len(quantized), sum(len(es) for es in block_experts))
     try:
         model.set_attn_implementation("sdpa")  # None mask == causal, no padding in calibration windows
     except Exception:  # noqa: BLE001 - older transformers: keep the default
         pass
-
-    # ---- one writer plan, identical on every rank
-    blocks = decoder_blocks(model)
-    block_linears: list[list[_Linear]] = []
-    k = 0
-    for prefix, block in blocks:
-        mine = []
-        for n, m in block.named_modules():
-            full = f"{prefix}.{n}"
-            if isinstance(m, nn.Linear) and not ignored(full):
-                ck = _ckpt_name(plan, f"{full}.weight")
-                mine.append(_Linear(full, m, ck.removesuffix("weight"), k % world))
-                k += 1
-        block_linears.append(mine)
-    block_experts = [[(f"{prefix}.{n}", ex) for n, ex in experts_modules(block) if not ignored(f"{prefix}.{n}")]
-                     for prefix, block in blocks]
-    quantized = {l.name for ls in block_linears for l in ls}
-    # every unquantized Linear by name, and the MoE routers (vLLM builds them as Linears)
-    unquantized = sorted({n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized}
-                         | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")})
 
     # ---- agree on the restart point: the largest block every rank can restart from
     state.load_manifest()
@@ -493,31 +521,29 @@ def quantize_model(cfg: PTQConfig) -> dict:
     if start:
         logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, len(blocks))
 
-    apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type))
-    fill(model, plan, plan.root_names, device=device)
+    if parallelize is not None:
+        parallelize()
+    weights.fill(weights.root_names)
 
     # ---- calibration (gptq only): this rank's samples rank::world -> block-0 inputs
     inputs, steps, dummy = [], 0, None
     if cfg.algo == "gptq" and start < len(blocks):
-        from transformers import AutoTokenizer
-
         torch.manual_seed(cfg.seed)
-        tokens = tokenize_corpus(AutoTokenizer.from_pretrained(src), text)
-        windows = calibration_windows(tokens, cfg.nsamples, cfg.seqlen)[rank::world]
-        inputs = _capture_block0(model, windows, device)
+        inputs = _capture_block0(model, windows()[rank::world], device)
         steps = math.ceil(math.ceil(cfg.nsamples / world) / CALIB_BATCH)
         if start:  # the quantized chain from the cache, never rebuilt approximately
             inputs = [(h, kw) for h, (_, kw) in zip(state.read_chain(start), inputs, strict=True)]
         dummy = inputs[0]
 
     stats = _Stats()
+    progress = block_progress(len(blocks), start, enabled=rank == 0)
     for b, ((prefix, block), linears, experts) in enumerate(zip(blocks, block_linears, block_experts)):
         if b < start:
             continue
         t0 = time.perf_counter()
         phase = {}
-        names = plan.block_names[b]
-        fill(model, plan, names, device=device)
+        names = weights.block_names(b)
+        weights.fill(names)
         phase["fill"] = time.perf_counter() - t0
 
         # Hessians: dense Linears summed over all ranks' tokens; experts at their owner
@@ -525,7 +551,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
         if cfg.algo == "gptq":
             t = time.perf_counter()
             counting = _Counting(linears, device)
-            calibs = [ExpertCalibration(ex, cfg.calibrate_all_experts, device) for _, ex in experts]
+            calibs = [ExpertCalibration(ex, cfg.calibrate_all_experts, device) for _, ex, _ in experts]
             _block_forward(block, inputs, steps, dummy, counters=[counting, *calibs])
             maybe_die(fault, "calib", rank, b)
             counting.remove()
@@ -545,14 +571,14 @@ def quantize_model(cfg: PTQConfig) -> dict:
             local, _ = local_box(lin.module.weight)
             g = counting.get(lin.name) if counting else None
             w = local.detach().clone()
-            q, scale, zp, deq = _quantize_rows(w, scheme, g, lin.name, cfg.actorder)
+            q, scale, zp, deq = _quantize_rows(w, lin.scheme, g, lin.name, cfg.actorder)
             H = g.H if g is not None else None
             terms = _err_terms(w, deq, H)
             if g is not None:  # RTN on the same rows and Hessian, for comparison in the report
-                terms += _err_terms(w, _quantize_rows(w, scheme, None, lin.name)[3], H)
+                terms += _err_terms(w, _quantize_rows(w, lin.scheme, None, lin.name)[3], H)
             local.copy_(deq)
             results[lin.name] = (q, scale, zp, terms)
-        expert_q, fallback = _quantize_experts(experts, calibs, scheme, cfg.algo, cfg.actorder)
+        expert_q, fallback = _quantize_experts(experts, calibs, cfg.algo, cfg.actorder)
         if counting:
             for g in counting.gptq.values():
                 g.free()
@@ -564,7 +590,8 @@ def quantize_model(cfg: PTQConfig) -> dict:
             dist.all_reduce(terms)
             for l, row in zip(linears, terms.tolist()):
                 entry = {"rel_err": math.sqrt(row[0] / row[1]) if row[1] > 0 else 0.0,
-                         "metric": "output (through H)" if cfg.algo == "gptq" else "weight"}
+                         "metric": "output (through H)" if cfg.algo == "gptq" else "weight",
+                         "scheme": scheme_tag(l.scheme)}
                 if len(row) > 2:
                     entry["rtn_rel_err"] = math.sqrt(row[2] / row[3]) if row[3] > 0 else 0.0
                 stats.layers[l.name] = entry
@@ -592,18 +619,18 @@ def quantize_model(cfg: PTQConfig) -> dict:
             fs = _gather_rows(scale, rows, lin.owner, scale.shape[1], scale.dtype)
             fz = _gather_rows(zp, rows, lin.owner, zp.shape[1], zp.dtype) if zp is not None else None
             if rank == lin.owner:
-                for rel, v in compress_weight((fq, fs, fz), scheme, (out_f, in_f)).items():
+                for rel, v in compress_weight((fq, fs, fz), lin.scheme, (out_f, in_f)).items():
                     tensors[lin.ckpt_prefix + rel] = v
-        for (eprefix, ex) in experts:
-            tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], plan, scheme))
-        skip = {f"{l.name}.weight" for l in linears} | {f"{p}.{f}" for p, _ in experts for f in FUSED}
+        for (eprefix, ex, scheme) in experts:
+            tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], weights.expert_pieces, scheme))
+        skip = {f"{l.name}.weight" for l in linears} | {f"{p}.{f}" for p, _, _ in experts for f in FUSED}
         block_params = dict(model.named_parameters())
         for n in names:
             if n in skip:
                 continue
             t_ = _full(block_params[n] if n in block_params else model.get_buffer(n))
             if rank == 0:
-                tensors[_ckpt_name(plan, n)] = t_.detach().clone()
+                tensors[weights.ckpt_name(n)] = t_.detach().clone()
         shard = writer.shard_name(rank, b)
         die = None
         if fault is not None and fault.hit("mid-shard-write", rank, b):
@@ -620,26 +647,30 @@ def quantize_model(cfg: PTQConfig) -> dict:
             state.write_chain(b + 1, [h for h, _ in inputs])
         state.record_block(b, {shard: rec} if rec else {}, fault)
         book_s = book.get("checksum", 0.0) + time.perf_counter() - t_book
-        free(model, plan, names)
+        weights.free(names)
         phase["write"] = time.perf_counter() - t - book_s
         phase["bookkeeping"] = book_s
         total = time.perf_counter() - t0
         stats.blocks.append({"block": b, "seconds": round(total, 3),
                              **{k: round(v, 3) for k, v in phase.items()}})
-        logger.info("block %d/%d done in %.2fs", b + 1, len(blocks), total)
+        logger.debug("block %d/%d done in %.2fs %s", b + 1, len(blocks), total,
+                     " ".join(f"{k}={v:.2f}" for k, v in phase.items()))
+        progress.step(b, total)
+    progress.close()
 
     # ---- root tensors whole (keeping the checkpoint's own names; a tied alias has no key of its own)
     params = dict(model.named_parameters())
     root = {}
-    for n in plan.root_names:
+    for n in weights.root_names:
         t = _full(params[n] if n in params else model.get_buffer(n))
         if rank == 0:
-            root[_ckpt_name(plan, n)] = t.detach().clone()
+            root[weights.ckpt_name(n)] = t.detach().clone()
     if rank == 0:
         fragments.update(writer.write_tensors(out, writer.shard_name(0, None), root))
-        fragments.update(writer.copy_carried(out, plan.source, list(plan.carried)))
+        fragments.update(weights.write_extras(out))
 
-    mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "blocks": stats.blocks}
+    mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": _peak_gpu(device),
+            "blocks": stats.blocks}
     all_frags = [None] * world
     all_mine = [None] * world
     dist.all_gather_object(all_frags, fragments)
@@ -649,43 +680,75 @@ def quantize_model(cfg: PTQConfig) -> dict:
     report, err = {}, None
     if rank == 0:
         try:
-            report = _finish(cfg, plan, src, out, scheme, unquantized, stats, all_mine, all_frags, start,
-                             t_start, fault, state)
+            groups = _config_groups(block_linears, block_experts, weights)
+            report = {
+                "args": cfg.to_dict(),
+                "source": weights.describe(),
+                "scheme": assigner.default.to_dict() if assigner.default is not None else None,
+                "recipe": assigner.to_dict() if cfg.recipe else None,
+                "assignment": assignment,
+                "world_size": world,
+                "versions": _versions(),
+                "ignored_linears": unquantized,
+                "carried_over": weights.carried,
+                "seconds": round(time.perf_counter() - t_start, 3),
+                "ranks": all_mine,
+                "layers": stats.layers,
+                "experts_rtn_fallback": stats.experts_rtn_fallback,
+                "resumed_from_block": start,
+            }
+            _finish(out, weights, groups, unquantized, report, all_frags, fault, state)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
             err = e
     all_ok(err is None, "writing the config, report and index")
+    remove_log_file(log_file)
     if err is not None:
         raise err
     return report
 
 
-def _finish(cfg, plan, src, out, scheme, unquantized, stats, all_mine, all_frags, start, t_start, fault,
-            state) -> dict:
-    config = dict(plan.source.config)
-    config["quantization_config"] = quantization_config({scheme: ["Linear"]}, unquantized)
+def _finish(out: Path, weights, groups, unquantized, report: dict, all_frags, fault, state) -> None:
+    """Rank 0: config, side files, report, summary, picture; the merged index last."""
+    config = weights.config
+    config["quantization_config"] = quantization_config(groups, unquantized)
     writer.write_json(out / "config.json", config)
-    side = writer.copy_side_files(src, out)
+    report["side_files"] = weights.write_side_files(out)
+    writer.write_json(out / "sq_report.json", report)
+    for line in summary_lines(report):
+        logger.info("%s", line)
+    picture = write_report_png(report, out / "sq_report.png")
+    if picture is not None:
+        logger.info("report picture: %s", picture)
+    writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
+    state.finish()  # the index and config exist: the run folder is no longer needed
+
+
+def _config_groups(block_linears, block_experts, weights) -> dict:
+    """``{scheme: targets}`` for ``quantization_config``: the largest group targets ``Linear``, the
+    others their modules by exact name (compressed-tensors and vLLM prefer an exact name to a class)."""
+    members: dict[QuantScheme, list[str]] = {}
+    for ls in block_linears:
+        for l in ls:
+            members.setdefault(l.scheme, []).append(l.ckpt_prefix.removesuffix("."))
+    for es in block_experts:
+        for eprefix, ex, scheme in es:
+            names = sorted({s.ckpt_prefix.removesuffix(".") for s in export_slots(eprefix, ex, weights.expert_pieces)})
+            members.setdefault(scheme, []).extend(names)
+    if len(members) <= 1:
+        return {s: ["Linear"] for s in members}
+    biggest = max(members, key=lambda s: len(members[s]))
+    return {s: (["Linear"] if s == biggest else names) for s, names in members.items()}
+
+
+def _versions() -> dict:
+    import compressed_tensors
     import transformers
 
     import sq
 
-    report = {
-        "args": cfg.to_dict(),
-        "source": str(src),
-        "scheme": scheme.to_dict(),
-        "world_size": len(all_mine),
-        "versions": {"sq": getattr(sq, "__version__", "dev"), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
-        "ignored_linears": unquantized,
-        "carried_over": list(plan.carried),
-        "side_files": side,
-        "seconds": round(time.perf_counter() - t_start, 3),
-        "ranks": all_mine,
-        "layers": stats.layers,
-        "experts_rtn_fallback": stats.experts_rtn_fallback,
-        "resumed_from_block": start,
-    }
-    writer.write_json(out / "sq_report.json", report)
-    writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
-    state.finish()  # the index and config exist: the run folder is no longer needed
-    return report
+    return {"sq": getattr(sq, "__version__", "dev"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "compressed_tensors": compressed_tensors.__version__}
+
+
+def _peak_gpu(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -1,0 +1,96 @@
+"""Python API: quantize a model that is already in memory and FSDP2-sharded, and export it.
+
+For training frameworks (torchtitan, accelerate, a plain FSDP2 loop): at the end of training,
+every rank calls ``sq.quantize(model, "out/")`` with the same arguments.  No checkpoint is read;
+the schemes, algorithms and output format are those of ``sq.ptq``.  See docs/python-api.md.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sq.errors import SqError
+
+
+def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", algo: str = "gptq",
+             group_size: int = 128, calibration: torch.Tensor | None = None, tokenizer=None,
+             dataset: str = "builtin:pydoc", nsamples: int = 128, seqlen: int = 512, seed: int = 0,
+             ignore: tuple[str, ...] = (), recipe: str | Path | None = None, actorder: bool = True,
+             resume: str = "never") -> dict:
+    """Quantize ``model`` in place (its weights become the dequantized values) and write a
+    compressed-tensors checkpoint to ``output`` that transformers and vLLM load.
+
+    Args:
+        model: a transformers causal LM whose decoder layers are each ``fully_shard``-ed over the
+            whole world (FSDP2, dim-0 shards), identical on every rank; world size 1 needs no sharding.
+        output: a new or empty folder.
+        calibration: token ids ``[nsamples, seqlen]`` (the same on every rank; each rank uses rows
+            ``rank::world``); default: ``nsamples`` windows of ``dataset`` cut with ``tokenizer``.
+        tokenizer: saved beside the weights; needed when ``calibration`` is not given for GPTQ.
+        resume: ``never`` by default -- an in-memory model cannot prove its weights are those of a
+            previous attempt; ``auto`` resumes a folder whose run signature matches (same
+            architecture, shapes, arguments and calibration data).
+
+    Returns the report (``sq_report.json``) on rank 0 and ``{}`` elsewhere.  Problems raise
+    ``SqError`` on every rank before anything is written.
+    """
+    from sq.calib.data import calibration_windows, load_text, tokenize_corpus
+    from sq.dist import all_ok, init_distributed
+    from sq.quant.blockwise import PTQConfig, _run
+    from sq.quant.recipe import make_assigner
+    from sq.quant.weights import ModelWeights
+    from sq.resume import sha256_bytes
+
+    t_start = time.perf_counter()
+    if not dist.is_initialized():
+        init_distributed()
+    cfg = PTQConfig(model=f"<in-memory {type(model).__name__}>", output=str(output), scheme=scheme, algo=algo,
+                    group_size=group_size, nsamples=nsamples, seqlen=seqlen, seed=seed, dataset=dataset,
+                    ignore=tuple(ignore), recipe=None if recipe is None else str(recipe), actorder=actorder,
+                    resume=resume)
+    problems = cfg.problems()
+    assigner = weights = None
+    if not problems:
+        try:
+            assigner = make_assigner(scheme, group_size, tuple(ignore), recipe)
+            weights = ModelWeights(model, tokenizer)
+        except SqError as e:
+            problems += e.problems
+    windows, data = None, {"spec": None, "sha256": None}
+    if not problems and algo == "gptq":
+        if calibration is not None:
+            windows = calibration
+            if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
+                problems.append(f"calibration: expected integer token ids [nsamples, seqlen], got "
+                                f"{windows.dtype} {tuple(windows.shape)}")
+            elif windows.shape[0] < dist.get_world_size():
+                problems.append(f"calibration: {windows.shape[0]} samples for {dist.get_world_size()} ranks; "
+                                "every rank needs at least one")
+            else:
+                cfg = PTQConfig(**{**cfg.to_dict(), "ignore": cfg.ignore, "nsamples": int(windows.shape[0]),
+                                   "seqlen": int(windows.shape[1]), "dataset": "tensor"})
+                data = {"spec": "tensor", "sha256": sha256_bytes(windows.contiguous().cpu().numpy().tobytes())}
+        elif tokenizer is None:
+            problems.append("GPTQ needs calibration data: pass calibration=token ids, or tokenizer= (and dataset=)")
+        else:
+            try:
+                text = load_text(dataset)
+                windows = calibration_windows(tokenize_corpus(tokenizer, text), nsamples, seqlen)
+                data = {"spec": dataset, "sha256": sha256_bytes(text.encode())}
+            except SqError as e:
+                problems += e.problems
+    all_ok(not problems, "API argument checks")
+    if problems:
+        raise SqError(problems)
+    was_training = model.training
+    model.eval()
+    try:
+        return _run(cfg, model, weights, assigner, data, lambda: windows.long(), parallelize=None,
+                    t_start=t_start)
+    finally:
+        model.train(was_training)
