@@ -108,7 +108,8 @@ class PTQConfig:
     def signature_args(self) -> dict[str, Any]:
         """The arguments a resumed run must share (not where to write, how to launch, or faults)."""
         d = self.to_dict()
-        for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault"):
+        # the recipe's content (rules and the resolved assignment) is in the signature, not its path
+        for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe"):
             d.pop(k)
         return d
 
