@@ -104,8 +104,16 @@ def test_row_shards_bit_identical(data):
 
 def test_hessian_sum_over_ranks_equals_single_accumulator(data):
     x, w = data
-    whole = _gptq(x)
-    halves = [_gptq(x[:1000]), _gptq(x[1000:])]
+    x = x.reshape(4, x.shape[0] // 4, -1)  # ranks split by samples: two samples each
+
+    def acc(*batches):
+        g = GPTQ(x.shape[-1])
+        for b in batches:
+            g.add_batch(b)
+        return g
+
+    whole = acc(x[:1], x[1:])  # one rank: batches of 1 and 3 samples
+    halves = [acc(x[:2]), acc(x[2:])]
     summed = GPTQ.from_hessian(halves[0].H + halves[1].H, halves[0].nsamples + halves[1].nsamples)
     torch.testing.assert_close(summed.hessian(), whole.hessian(), rtol=1e-12, atol=1e-12)
     assert summed.hessian().dtype == torch.float64

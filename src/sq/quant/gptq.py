@@ -10,8 +10,9 @@ Hinv[i, j:] / Hinv[i, i]``).  Rows never mix, so given the full ``in x in`` Hess
 (summed over every rank's tokens) a rank can solve its own rows alone.  Scales are
 per row too (groups run along ``in``).
 
-Numerics: the Hessian is accumulated in float64 (so a sum over ranks does not depend on
-the rank count beyond float64 rounding), factored in float64, and the column sweep runs
+Numerics: the Hessian is accumulated in float64 -- per calibration sample ``x^T x`` in float32,
+summed in float64 -- so a sum over ranks (which split by samples) does not depend on the rank
+count beyond float64 rounding; it is factored in float64, and the column sweep runs
 in float32.  Scales are computed by :func:`sq.quant.rtn.compute_qparams` on the weights
 rounded to their storage dtype, so a GPTQ scale is exactly the one compressed-tensors
 would compute for those (error-updated) weights; the error that is propagated is the
@@ -124,13 +125,22 @@ class GPTQ:
 
     @torch.no_grad()
     def add_batch(self, x: Tensor) -> None:
-        """Accumulate inputs ``x [..., in]`` (every leading dim is a token)."""
+        """Accumulate inputs: ``x [samples, tokens, in]`` (a calibration batch) or ``x [tokens, in]``."""
         if self.H is None:
             raise RuntimeError("GPTQ.add_batch after free()")
         if x.shape[-1] != self.in_features:
             raise SqError(f"GPTQ input width {x.shape[-1]} != in_features {self.in_features}")
+        if x.dim() >= 3:
+            # [samples, tokens, in]: each sample's x^T x in float32 (2-5x faster than float64 on CPU),
+            # summed in float64.  A sample's product does not depend on which rank or batch holds it,
+            # so the sum over ranks is the single-process sum up to float64 rounding, as before.
+            for sample in x.reshape(x.shape[0], -1, self.in_features):
+                s32 = sample.to(device=self.H.device, dtype=torch.float32)
+                self.H.add_(s32.T @ s32)
+                self.nsamples += s32.shape[0]
+            return
         x = x.reshape(-1, self.in_features).to(device=self.H.device, dtype=self.H.dtype)
-        self.H.addmm_(x.T, x)  # H += x^T x
+        self.H.addmm_(x.T, x)  # H += x^T x, a token set (e.g. an expert's routed tokens): float64
         self.nsamples += x.shape[0]
 
     def hessian(self) -> Tensor:
