@@ -18,8 +18,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from sq.calib.data import BUILTIN_PYDOC, eval_windows, load_text, tokenize_corpus
+from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus, tokenize_corpus
 from sq.errors import SqError
+from sq.hub import resolve_model_dist
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m sq.eval", description="Perplexity of a checkpoint on a text corpus.")
     p.add_argument("--model", required=True, help="checkpoint directory, hub id, or demo:smollm2 / demo:tiny-moe")
-    p.add_argument("--dataset", default=BUILTIN_PYDOC, help="builtin:pydoc, a .txt file, or a .jsonl with 'text'")
+    p.add_argument("--dataset", default=BUILTIN_PYDOC,
+                   help="builtin:pydoc, a .txt/.jsonl/.parquet file, or a hub dataset org/name[:split]; docs/data.md")
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--nwindows", type=int, default=40, help="score the last N windows of the corpus")
     p.add_argument("--batch-size", type=int, default=4)
@@ -78,19 +80,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def _load(spec: str):
+def _load(spec: str, source, *, model: bool):
+    """The tokenizer (or, with ``model``, the fp32 CPU model) of ``source``; a failure as one sq line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sq.demo import resolve_model
-
-    source = resolve_model(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu")
+        if not model:
+            return AutoTokenizer.from_pretrained(source)
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu").eval()
     except (OSError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())  # one line per problem, as every sq error
         raise SqError(f"cannot load model {spec!r} ({source}): {reason}") from e
-    return tokenizer, model.eval()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("sq").setLevel(logging.INFO)  # e.g. "building demo:smollm2 (once)" during a long wait
     try:
         args = _parse(argv)
-        text = load_text(args.dataset)  # first: a bad dataset fails before the slow model load
-        tokenizer, model = _load(args.model)
-        tokens = tokenize_corpus(tokenizer, text)
+        corpus = read_corpus(args.dataset)  # first: a bad dataset fails before the slow model load
+        source = resolve_model_dist(args.model)  # a hub id: config, tokenizer, safetensors only
+        tokenizer = _load(args.model, source, model=False)
+        tokens = tokenize_corpus(tokenizer, corpus.text(tokenizer))  # chat records need the tokenizer
         windows = eval_windows(tokens, args.nwindows, args.seqlen)
+        model = _load(args.model, source, model=True)
         ppl = perplexity(model, windows, batch_size=args.batch_size, progress=args.progress)
     except SqError as e:
         for problem in e.problems:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sq.calib.data import BUILTIN_PYDOC, eval_windows, load_text, tokenize_corpus
+from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus_dist, tokenize_corpus
 from sq.cli import ArgParser, run_cli
 from sq.dist import init_distributed, setup_logging
 from sq.memory import io_read_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -27,7 +27,7 @@ from sq.memory import io_read_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 def build_parser() -> ArgParser:
     p = ArgParser(prog="python -m sq.inspect", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint folder or demo:smollm2 / demo:tiny-moe")
+    p.add_argument("--model", required=True, help="checkpoint folder, hub id, or demo:smollm2 / demo:tiny-moe")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the world size)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     p.add_argument("--ppl", action="store_true", help="also score the sharded model's perplexity")
@@ -62,12 +62,12 @@ def sharded_perplexity(model, windows: torch.Tensor, rank: int, world: int) -> f
 
 
 def run(args: argparse.Namespace) -> dict:
-    from sq.demo import resolve_model
+    from sq.hub import resolve_model_dist
     from sq.load.loader import load_sharded
 
     env = init_distributed(timeout_s=args.timeout)
     setup_logging(env.rank)
-    path = resolve_model(args.model)
+    path = resolve_model_dist(args.model)  # a hub id: rank 0 downloads, the others wait
     dtype = getattr(torch, args.dtype)
     reset_peak_rss()
     rss0, io0, t0 = rss_bytes(), io_read_bytes(), time.perf_counter()
@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.ppl:
         from transformers import AutoTokenizer
 
-        tokens = tokenize_corpus(AutoTokenizer.from_pretrained(path), load_text(args.dataset))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokens = tokenize_corpus(tokenizer, read_corpus_dist(args.dataset).text(tokenizer))
         windows = eval_windows(tokens, args.nwindows, args.seqlen)
         report["perplexity"] = round(sharded_perplexity(model, windows, env.rank, env.world_size), 3)
         report["ppl_tokens"] = windows.numel()

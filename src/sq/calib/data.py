@@ -1,20 +1,41 @@
 """Text corpora -> token windows for calibration and perplexity.
 
+A ``--dataset`` is read as a list of records (:func:`read_corpus`), then turned into one
+text (:meth:`Corpus.text`), then tokenized once (:func:`tokenize_corpus`).  Accepted specs:
+
+- ``builtin:pydoc``: CPython's ``pydoc_data.topics``, always present offline;
+- a ``.txt`` file: the whole file is one record;
+- a ``.jsonl`` file (one JSON object per line) or a ``.parquet`` file (needs ``pyarrow``):
+  each record has a string ``text`` or a chat ``messages`` list of ``{role, content}``;
+- a Hugging Face hub dataset ``org/name``, ``org/name:split`` or ``org/name:config:split``
+  (needs the ``datasets`` package and a connection, or its cache), with a ``text`` or a
+  ``messages`` column.
+
+A record uses ``text`` when it has a string ``text``, else its ``messages``, rendered with the
+model tokenizer's chat template (``apply_chat_template(messages, tokenize=False)``), so the
+text carries the template's role markers and special-token strings as the model sees them in
+use.  Records are joined with a blank line (``"\\n\\n"``), whatever their kind, in file order.
+
 Packing rule (the standard benchmark, shared with the peers' numbers in DESIGN.md): the
-whole corpus is tokenized once, without special tokens, into one stream ``tokens[N]``.
+whole corpus is tokenized once, without special tokens, into one stream ``tokens[N]``
+(special-token strings a chat template wrote into the text still become their tokens).
 
 - calibration: ``nsamples`` consecutive, non-overlapping windows from the start,
   ``tokens[i*seqlen:(i+1)*seqlen]`` for ``i < nsamples``;
 - evaluation: the **last** ``nwindows`` windows, ``tokens[N - nwindows*seqlen:]``.
 
-For SmolLM2 on ``builtin:pydoc`` (113,108 tokens): calibration 128 x 512 = tokens
-[0, 65536); evaluation 40 x 512 = tokens [92628, 113108).  The two do not overlap as long
-as ``(nsamples + nwindows) * seqlen <= N``.
+Windows ignore record boundaries: a window may end inside one record and the next window
+start in it.  For SmolLM2 on ``builtin:pydoc`` (113,108 tokens): calibration 128 x 512 =
+tokens [0, 65536); evaluation 40 x 512 = tokens [92628, 113108).  The two do not overlap as
+long as ``(nsamples + nwindows) * seqlen <= N``.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +43,56 @@ import torch
 from sq.errors import SqError
 
 BUILTIN_PYDOC = "builtin:pydoc"
+FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+RECORD_SEP = "\n\n"
+_MAX_LISTED = 10  # bad records named in one error; the rest are counted
+# org/name[:split] or org/name:config:split; a split may carry a slice, e.g. train[:1000]
+_HUB_DATASET = re.compile(r"(?P<name>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?:(?P<config>[^:\[\]]+):)?(?P<split>.+))?")
+_ACCEPTED = (f"expected {BUILTIN_PYDOC!r}, a .txt, .jsonl or .parquet file, "
+             "or a hub dataset org/name[:split] (see docs/data.md)")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record of a corpus: its text, or the chat ``messages`` to render into text.
+
+    ``where`` names it in errors: ``dataset file F, line L`` (.jsonl, lines from 1) or
+    ``..., row R`` (.parquet and hub datasets, rows from 0 as in pyarrow and datasets).
+    """
+
+    where: str
+    text: str | None = None
+    messages: list | None = None
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A dataset's records, checked, before any tokenizer is known.
+
+    Reading first and rendering later lets an entry point reject a bad file before the slow
+    model load, while chat records still use that model's own template.
+    """
+
+    spec: str
+    records: tuple[Record, ...]
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return any(r.text is None for r in self.records)
+
+    def text(self, tokenizer=None) -> str:
+        """The records joined with blank lines; ``messages`` rendered with ``tokenizer``'s chat template."""
+        chats = [r for r in self.records if r.text is None]
+        if chats:
+            first = chats[0].where
+            if tokenizer is None:
+                raise SqError(f"{first}: field 'messages' is rendered with the model's chat template, "
+                              f"so dataset {self.spec!r} needs the tokenizer (load_text(spec, tokenizer))")
+            if not getattr(tokenizer, "chat_template", None):
+                name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+                raise SqError(f"{first}: field 'messages' needs a chat template, but the tokenizer {name} "
+                              "has none; give the records a string field 'text' instead")
+        return RECORD_SEP.join(r.text if r.text is not None else _render(r, tokenizer) for r in self.records)
 
 
 def builtin_pydoc_text() -> str:
@@ -34,48 +105,174 @@ def builtin_pydoc_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def load_text(spec: str) -> str:
-    """Corpus text of ``spec``: ``builtin:pydoc``, a ``.txt`` file, or a ``.jsonl`` file.
+def load_text(spec: str, tokenizer=None) -> str:
+    """Corpus text of ``spec`` (see the module docstring); ``tokenizer`` renders chat records."""
+    return read_corpus(spec).text(tokenizer)
 
-    A ``.jsonl`` file holds one JSON object per line with a string field ``text``; the
-    records are joined with blank lines, like the pydoc topics.
+
+def read_corpus(spec: str) -> Corpus:
+    """Read and check every record of ``spec``; no tokenizer needed yet.
+
+    Raises:
+        SqError: an unknown spec, a missing or unreadable file, a missing optional package
+            (pyarrow, datasets), an unreachable hub dataset, or bad records (up to 10 named
+            by file, line or row, and field).
     """
     if spec == BUILTIN_PYDOC:
-        return builtin_pydoc_text()
+        return Corpus(spec, (Record(BUILTIN_PYDOC, text=builtin_pydoc_text()),))
     if spec.startswith("builtin:"):
         raise SqError(f"unknown dataset {spec!r}; the built-in dataset is {BUILTIN_PYDOC!r}")
-    path = Path(spec)
-    if path.suffix not in (".txt", ".jsonl"):
-        raise SqError(
-            f"dataset {spec!r}: expected {BUILTIN_PYDOC!r}, a .txt file or a .jsonl file with a 'text' field"
-        )
-    if not path.is_file():
-        raise SqError(f"dataset file {path} does not exist")
+    path = Path(spec).expanduser()
+    if path.suffix in FILE_SUFFIXES:
+        if not path.is_file():
+            raise SqError(f"dataset file {path} does not exist")
+        if path.suffix == ".txt":
+            return Corpus(spec, (Record(f"dataset file {path}", text=_read_utf8(path)),))
+        rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
+        return Corpus(spec, _check_records(rows, f"dataset file {path}"))
+    if path.exists():
+        raise SqError(f"dataset {spec!r}: unsupported file type; {_ACCEPTED}")
+    hub = _HUB_DATASET.fullmatch(spec)
+    if hub is None:
+        raise SqError(f"dataset {spec!r}: {_ACCEPTED}")
+    return _hub_corpus(spec, hub["name"], hub["config"], hub["split"] or "train")
+
+
+def read_corpus_dist(spec: str, *, poll_s: float = 1.0) -> Corpus:
+    """:func:`read_corpus` on rank 0 only; every rank gets the same records, or the same error.
+
+    One download of a hub dataset instead of one per rank, and identical text on every rank
+    even where ranks do not share a filesystem.  Call it at the same point on every rank.
+    """
+    from sq.hub import run_on_rank0
+
+    return run_on_rank0(lambda: read_corpus(spec), what=f"reading dataset {spec!r}", poll_s=poll_s)
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def _read_utf8(path: Path) -> str:
     try:
-        raw = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise SqError(f"dataset file {path}: cannot read as UTF-8 text ({e})") from e
-    if path.suffix == ".txt":
-        return raw
-    return "\n\n".join(_jsonl_texts(path, raw))
 
 
-def _jsonl_texts(path: Path, raw: str) -> list[str]:
-    texts = []
-    for lineno, line in enumerate(raw.splitlines(), start=1):
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    for lineno, line in enumerate(_read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"dataset file {path}, line {lineno}"
         try:
-            record = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as e:
-            raise SqError(f"dataset file {path}, line {lineno}: not JSON ({e.msg})") from e
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise SqError(f"dataset file {path}, line {lineno}: no string field 'text'")
-        texts.append(record["text"])
-    if not texts:
-        raise SqError(f"dataset file {path} holds no records")
-    return texts
+            raise SqError(f"{where}: not JSON ({e.msg})") from e
 
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise SqError(f"dataset file {path}: reading .parquet needs pyarrow (pip install 'sq[data]' "
+                      "or pip install pyarrow), or convert the file to .jsonl") from e
+    try:
+        names = pq.read_schema(path).names
+        columns = [c for c in ("text", "messages") if c in names]
+        if not columns:
+            raise SqError(f"dataset file {path}: no column 'text' or 'messages' (columns: {', '.join(names)})")
+        table = pq.read_table(path, columns=columns)
+    except (OSError, ValueError, pyarrow.ArrowException) as e:
+        raise SqError(f"dataset file {path}: not a readable parquet file ({_one_line(e)})") from e
+    for i, row in enumerate(table.to_pylist()):
+        yield f"dataset file {path}, row {i}", row
+
+
+def _hub_corpus(spec: str, name: str, config: str | None, split: str) -> Corpus:
+    label = f"hub dataset {name!r} ({config + ', ' if config else ''}split {split!r})"
+    try:
+        import datasets
+    except ImportError as e:
+        raise SqError(f"dataset {spec!r}: no such file here, and reading it as a Hugging Face hub dataset "
+                      "needs the datasets package (pip install datasets); or save it as a local .jsonl or "
+                      ".parquet file with a 'text' or 'messages' field and pass that path") from e
+    try:
+        ds = datasets.load_dataset(name, name=config, split=split)
+    except Exception as e:  # noqa: BLE001 - network, auth, missing config/split: all mean "cannot use it"
+        from sq.hub import hub_offline
+
+        off = " while downloads are off (HF_HUB_OFFLINE=1)" if hub_offline() else ""
+        raise SqError(f"{label}: cannot load it{off} ({type(e).__name__}: {_one_line(e)}); save it as a "
+                      "local .jsonl or .parquet file with a 'text' or 'messages' field and pass that path "
+                      "instead") from e
+    columns = [c for c in ("text", "messages") if c in ds.column_names]
+    if not columns:
+        raise SqError(f"{label}: no column 'text' or 'messages' (columns: {', '.join(ds.column_names)})")
+    values = [ds[c] for c in columns]
+    rows = ((f"{label}, row {i}", dict(zip(columns, v))) for i, v in enumerate(zip(*values)))
+    return Corpus(spec, _check_records(rows, label))
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _check_records(rows: Iterable[tuple[str, object]], source: str) -> tuple[Record, ...]:
+    """Every row -> a Record; the problems of all bad rows in one SqError (the first few named)."""
+    records, problems, bad = [], [], 0
+    for where, row in rows:
+        problem = _row_problem(row)
+        if problem is None:
+            text = row.get("text")
+            records.append(Record(where, text=text) if isinstance(text, str) else
+                           Record(where, messages=row["messages"]))
+            continue
+        bad += 1
+        if bad <= _MAX_LISTED:
+            problems.append(f"{where}: {problem}")
+    if bad > _MAX_LISTED:
+        problems.append(f"{source}: {bad - _MAX_LISTED} more bad records")
+    if problems:
+        raise SqError(problems)
+    if not records:
+        raise SqError(f"{source} holds no records")
+    return tuple(records)
+
+
+def _row_problem(row) -> str | None:
+    """Why ``row`` is no record (a string ``text``, else a ``messages`` list), or None."""
+    if not isinstance(row, dict):
+        return f"expected an object with a field 'text' or 'messages', got {type(row).__name__}"
+    if isinstance(row.get("text"), str):
+        return None
+    messages = row.get("messages")
+    if messages is None:
+        return "no string field 'text' and no field 'messages'"
+    if not isinstance(messages, list) or not messages:
+        return "field 'messages' must be a non-empty list of {role, content} objects"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            return f"field 'messages', item {i}: expected an object with a string 'role' and a 'content'"
+    return None
+
+
+def _render(record: Record, tokenizer) -> str:
+    try:
+        out = tokenizer.apply_chat_template(record.messages, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - the model's template over user data: any failure is this record's
+        raise SqError(f"{record.where}: field 'messages': the chat template failed "
+                      f"({type(e).__name__}: {_one_line(e)})") from e
+    if not isinstance(out, str):
+        raise SqError(f"{record.where}: field 'messages': the chat template gave {type(out).__name__}, not text")
+    return out
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- windows
 
 def tokenize_corpus(tokenizer, text: str) -> torch.Tensor:
     """Tokenize the whole corpus once, without special tokens -> ``LongTensor[N]``."""
