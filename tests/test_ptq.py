@@ -56,8 +56,27 @@ def rtn_outputs(checkpoints, tmp_path_factory):
 def gptq_output(checkpoints, tmp_path_factory):
     src = checkpoints["llama"]
     out = tmp_path_factory.mktemp("ptq-gptq") / "out"
-    _ok(_ptq(src, out, 2, "--algo", "gptq", "--scheme", "W4A16", "--group-size", str(GROUP), *CALIB))
+    res = _ptq(src, out, 2, "--algo", "gptq", "--scheme", "W4A16", "--group-size", str(GROUP), *CALIB)
+    _ok(res)
+    (out.parent / "console.txt").write_text(res.output)
     return src, out
+
+
+def test_run_leaves_logs_summary_and_picture(gptq_output):
+    """Per-rank log files, one progress line per block with an ETA, the summary, sq_report.png."""
+    src, out = gptq_output
+    n_blocks = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    console = (out.parent / "console.txt").read_text()
+    for b in range(1, n_blocks + 1):
+        assert f"block {b}/{n_blocks} done in " in console and "ETA " in console
+    assert "done in " in console and "rank 1: peak RSS" in console
+    assert "largest relative error (output (through H))" in console
+    logs = sorted((out / "sq_logs").iterdir())
+    assert [p.name for p in logs] == ["rank-00000.log", "rank-00001.log"]
+    assert f"block {n_blocks}/{n_blocks} done" in logs[0].read_text()
+    assert "[sq r1 " in logs[1].read_text()  # every rank writes its own file, rank 1 included
+    png = (out / "sq_report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def _load(out: Path):

@@ -13,7 +13,7 @@ def build_parser() -> ArgParser:
     from sq.quant.blockwise import ALGOS
 
     p = ArgParser(prog="torchrun -m sq.ptq", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint folder or demo:NAME")
+    p.add_argument("--model", required=True, help="checkpoint folder, hub id org/name, or demo:NAME")
     p.add_argument("--output", required=True, help="new or empty output folder")
     p.add_argument("--scheme", default="W4A16", type=str.upper, choices=SCHEME_NAMES)
     p.add_argument("--algo", default="gptq", choices=ALGOS)

@@ -49,13 +49,14 @@ def _fmt_s(s: float) -> str:
 
 
 class BlockProgress:
-    """Rank 0's view of the block loop; other ranks get a silent one."""
+    """One line per block in every rank's log (the terminal shows rank 0's); rank 0 on a terminal
+    gets a tqdm bar instead of the lines there."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.total, self.done, self.enabled = total, start, enabled
+    def __init__(self, total: int, start: int, bar: bool):
+        self.total, self.done = total, start
         self.times: list[float] = []
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        if bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="sq blocks", unit="block", dynamic_ncols=True)
@@ -63,8 +64,6 @@ class BlockProgress:
     def step(self, block: int, seconds: float) -> None:
         self.done += 1
         self.times.append(seconds)
-        if not self.enabled:
-            return
         recent = self.times[-5:]
         eta = (self.total - self.done) * sum(recent) / len(recent)
         line = f"block {block + 1}/{self.total} done in {seconds:.2f}s, ETA {_fmt_s(eta)}"
@@ -80,8 +79,8 @@ class BlockProgress:
             self.bar.close()
 
 
-def block_progress(total: int, start: int, enabled: bool) -> BlockProgress:
-    return BlockProgress(total, start, enabled)
+def block_progress(total: int, start: int, bar: bool) -> BlockProgress:
+    return BlockProgress(total, start, bar)
 
 
 def summary_lines(report: dict, worst: int = 5) -> list[str]:

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from sq.calib.data import calibration_windows, load_text, tokenize_corpus
-from sq.demo import resolve_model
+from sq.hub import resolve_model_dist
 from sq.dist import ParallelDims, all_ok
 from sq.errors import SqError
 from sq.export import writer
@@ -425,9 +425,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
         problems += e.problems
     _raise_all(problems, "recipe checks")
 
-    src = Path(resolve_model(cfg.model))
-    if not src.is_dir():
-        raise SqError(f"--model {cfg.model}: not a local checkpoint directory (hub download is not supported)")
+    src = resolve_model_dist(cfg.model)  # a hub id: rank 0 downloads, the others wait
     model = build_skeleton(src)
     plan = plan_load(model, src)
     weights = CheckpointWeights(model, plan, src, device)
@@ -537,7 +535,7 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         dummy = inputs[0]
 
     stats = _Stats()
-    progress = block_progress(len(blocks), start, enabled=rank == 0)
+    progress = block_progress(len(blocks), start, bar=rank == 0)
     for b, ((prefix, block), linears, experts) in enumerate(zip(blocks, block_linears, block_experts)):
         if b < start:
             continue
