@@ -39,7 +39,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     Returns the report (``sq_report.json``) on rank 0 and ``{}`` elsewhere.  Problems raise
     ``SqError`` on every rank before anything is written.
     """
-    from sq.calib.data import calibration_windows, load_text, tokenize_corpus
+    from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
     from sq.quant.blockwise import PTQConfig, _run
     from sq.quant.recipe import make_assigner
@@ -79,7 +79,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
             problems.append("GPTQ needs calibration data: pass calibration=token ids, or tokenizer= (and dataset=)")
         else:
             try:
-                text = load_text(dataset)
+                text = read_corpus_dist(dataset).text(tokenizer)
                 windows = calibration_windows(tokenize_corpus(tokenizer, text), nsamples, seqlen)
                 data = {"spec": dataset, "sha256": sha256_bytes(text.encode())}
             except SqError as e:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.calib.data import calibration_windows, load_text, tokenize_corpus
+from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
 from sq.hub import resolve_model_dist
 from sq.dist import ParallelDims, all_ok
 from sq.errors import SqError
@@ -429,13 +429,15 @@ def quantize_model(cfg: PTQConfig) -> dict:
     model = build_skeleton(src)
     plan = plan_load(model, src)
     weights = CheckpointWeights(model, plan, src, device)
-    text = load_text(cfg.dataset) if cfg.algo == "gptq" else None
-
-    def windows() -> torch.Tensor:
+    text = tokenizer = None
+    if cfg.algo == "gptq":  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
         from transformers import AutoTokenizer
 
-        tokens = tokenize_corpus(AutoTokenizer.from_pretrained(src), text)
-        return calibration_windows(tokens, cfg.nsamples, cfg.seqlen)
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        text = read_corpus_dist(cfg.dataset).text(tokenizer)
+
+    def windows() -> torch.Tensor:
+        return calibration_windows(tokenize_corpus(tokenizer, text), cfg.nsamples, cfg.seqlen)
 
     data = {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None}
     return _run(cfg, model, weights, assigner, data, windows,
