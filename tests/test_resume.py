@@ -185,3 +185,24 @@ def test_killed_peer_ends_the_job_quickly(checkpoints, tmp_path):
     assert res.returncode != 0
     assert "rank      : 1" in res.stderr or "local_rank: 1" in res.stderr  # torchrun names the dead rank
     assert time.monotonic() - start < 90
+
+
+def test_lock_of_the_same_slurm_job_on_another_host_is_taken_over(tmp_path, monkeypatch):
+    """A requeued Slurm job may land on other nodes: its own old lock is taken over, another job's is not."""
+    from sq.errors import SqError
+    from sq.resume import RunState
+
+    state = RunState(tmp_path / "o", 0)
+    state.root.mkdir(parents=True)
+    lock = state.root / "lock"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    lock.write_text(json.dumps({"pid": 1, "host": "node-a-that-is-gone", "slurm_job_id": "4242"}))
+    state.take_lock()
+    assert json.loads(lock.read_text())["slurm_job_id"] == "4242"
+    lock.write_text(json.dumps({"pid": 1, "host": "node-a-that-is-gone", "slurm_job_id": "777"}))
+    with pytest.raises(SqError, match="is locked by a run on host node-a-that-is-gone"):
+        state.take_lock()
+    monkeypatch.delenv("SLURM_JOB_ID")
+    lock.write_text(json.dumps({"pid": 1, "host": "node-a-that-is-gone"}))
+    with pytest.raises(SqError, match="if that run is dead, delete"):
+        state.take_lock()

@@ -188,7 +188,7 @@ class RunState:
         """Refuse a second live run on this folder; take over a dead one's lock with a warning."""
         self.root.mkdir(parents=True, exist_ok=True)
         lock = self.root / "lock"
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
         if lock.is_file():
             try:
                 held = json.loads(lock.read_text())
@@ -197,10 +197,16 @@ class RunState:
             if held.get("host") == me["host"] and _alive(held.get("pid")) and held.get("pid") != me["pid"]:
                 raise SqError(f"{self.out} is being written by another sq run (pid {held['pid']} on {held['host']}); "
                               "wait for it or stop it")
-            if held.get("host") not in (None, me["host"]):
+            requeued = held.get("slurm_job_id") is not None and held.get("slurm_job_id") == me["slurm_job_id"]
+            if requeued and held.get("host") != me["host"]:
+                # the same Slurm job, requeued onto other nodes: Slurm ended the previous incarnation
+                logger.warning("taking over the lock of Slurm job %s's previous run (pid %s on %s)",
+                               held["slurm_job_id"], held.get("pid"), held.get("host"))
+            elif held.get("host") not in (None, me["host"]):
                 raise SqError(f"{self.out} is locked by a run on host {held['host']} (pid {held.get('pid')}); "
                               f"if that run is dead, delete {lock}")
-            logger.warning("taking over the stale lock of dead run pid %s on %s", held.get("pid"), held.get("host"))
+            else:
+                logger.warning("taking over the stale lock of dead run pid %s on %s", held.get("pid"), held.get("host"))
         write_bytes_atomic(lock, json.dumps(me).encode())
 
     def clear(self) -> None:
