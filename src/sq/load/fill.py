@@ -41,9 +41,18 @@ class SqStorageReader(HuggingFaceStorageReader):
                                                [ChunkStorageMetadata(zeros, torch.Size(t.shape))])
             storage[MetadataIndex(key, zeros)] = _HFStorageInfo(str(source.path(t.file)), torch.Size(t.shape), t.dtype)
         self._metadata = Metadata(state_dict_metadata=sd_md, storage_data=storage)
+        self.source = source
+        self.bytes_read = 0  # checkpoint bytes this rank's boxes covered (what safetensors was asked for)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self._metadata
+
+    def _process_read_request(self, f, req: ReadItem, planner: LoadPlanner) -> None:
+        super()._process_read_request(f, req, planner)
+        n = 1
+        for s in req.lengths:
+            n *= s
+        self.bytes_read += n * self.source.tensors[req.storage_index.fqn].dtype.itemsize
 
 
 @dataclass(frozen=True)

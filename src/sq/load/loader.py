@@ -22,6 +22,8 @@ import torch.nn as nn
 from sq.dist import ParallelDims, all_ok
 from sq.errors import LoadRefused
 from sq.load.fill import SqStorageReader, dcp_read, module_of, requests_for, set_device
+from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
+from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
 from sq.load.meta import build_skeleton, config_problems, decoder_blocks
 from sq.load.source import CheckpointSource, scan_checkpoint
@@ -46,15 +48,40 @@ class LoadPlan:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # recomputed non-persistent buffers
     _reader: SqStorageReader | None = None
     state: dict[str, str] = field(default_factory=dict)  # target -> "meta" | "empty" | "filled"
+    fp8: Fp8Layout | None = None  # FP8 block-scaled source: weights dequantized while read
+    dtype: torch.dtype = torch.bfloat16  # the model's dtype (what FP8 weights become)
 
     @property
     def carried(self) -> list[str]:
+        """Checkpoint keys with no slot in the model; FP8 scales are consumed, never listed."""
         return self.keymap.carried
 
     def reader(self) -> SqStorageReader:
         if self._reader is None:
-            self._reader = SqStorageReader(self.source)
+            self._reader = (SqStorageReader(self.source) if self.fp8 is None
+                            else Fp8StorageReader(self.source, self.fp8))
         return self._reader
+
+    def read_carried(self) -> dict[str, torch.Tensor]:
+        """The carried-over tensors (rank 0 writes them): raw bytes, except FP8 weights, dequantized.
+
+        An FP8 source's MTP layer would otherwise land in the output as FP8 next to a
+        compressed-tensors config that does not describe its scales; dequantized, it is what a
+        full-precision source would have carried.
+        """
+        from safetensors import safe_open
+
+        out = {}
+        for key in self.carried:
+            info = self.source.tensors[key]
+            with safe_open(str(self.source.path(info.file)), framework="pt") as f:
+                out[key] = f.get_tensor(key)
+            if self.fp8 is not None and key in self.fp8.scales:
+                s_info = self.source.tensors[self.fp8.scales[key]]
+                with safe_open(str(self.source.path(s_info.file)), framework="pt") as f:
+                    scale = f.get_tensor(s_info.key)
+                out[key] = dequantize(out[key], scale, self.fp8.block, self.dtype)
+        return out
 
     def check_filled(self, names) -> None:
         """Raise if any named tensor was materialized (or re-emptied) and not filled since."""
@@ -106,14 +133,21 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
     problems = list(source.problems)
     problems += config_problems(source.config, source.root, trust_remote_code=trust_remote_code,
                                 allow_quantized=allow_quantized)
+    fp8, fp8_problems = detect_fp8(source)
     if not allow_quantized:
-        qt = sorted(k for k, t in source.tensors.items() if t.dtype in QUANTIZED_DTYPES)
+        problems += fp8_problems
+        # in an FP8 source, detect_fp8 has checked (or named) every float8 tensor
+        checked = (torch.float8_e4m3fn, torch.float8_e5m2) if fp8 is not None else ()
+        qt = sorted(k for k, t in source.tensors.items() if t.dtype in QUANTIZED_DTYPES and t.dtype not in checked)
         if qt:
             problems.append(f"{len(qt)} checkpoint tensors hold int/fp8 data (e.g. {qt[0]!r} "
-                            f"{source.tensors[qt[0]].dtype} in {source.tensors[qt[0]].file}): already quantized")
+                            f"{source.tensors[qt[0]].dtype} in {source.tensors[qt[0]].file}): already quantized; "
+                            f"of quantized sources only FP8 block-scaled ones ({FP8_ACCEPTED}) are read")
     problems += root_param_problems(model)
     targets, aliases = model_targets(model)
-    keymap = build_keymap(model, source.tensors)
+    # an FP8 source's scales are consumed by their weights: mapped to nothing, never carried over
+    scale_keys = set() if fp8 is None else {k for k in source.tensors if k.endswith(".weight" + SCALE_SUFFIX)}
+    keymap = build_keymap(model, {k: t for k, t in source.tensors.items() if k not in scale_keys})
     problems += keymap.problems
 
     filled_numel = 0
@@ -147,7 +181,9 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
     in_blocks = {t for names in block_names for t in names}
     root_names = [t for t in targets if t not in in_blocks]
     state = {t: "meta" for t in targets}
-    return LoadPlan(source, keymap, targets, prefixes, block_names, root_names, buffers, state=state)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    return LoadPlan(source, keymap, targets, prefixes, block_names, root_names, buffers, state=state,
+                    fp8=fp8, dtype=dtype)
 
 
 def _retie(model: nn.Module, plan: LoadPlan, names) -> None:

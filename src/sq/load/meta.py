@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from sq.errors import LoadRefused
+from sq.load.fp8 import quantization_config_problems
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -21,13 +22,8 @@ def config_problems(config: dict, root: Path, *, trust_remote_code: bool, allow_
             f"{root / 'config.json'} has auto_map {sorted(config['auto_map'])}: the model needs its own Python code; "
             "pass --trust-remote-code only if you trust the checkpoint's author")
     qc = config.get("quantization_config")
-    if qc and not allow_quantized:
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        hint = (" (FP8 block-scaled source: read it with the dequantizing FP8 path)"
-                if method == "fp8" else "")
-        problems.append(
-            f"{root / 'config.json'} has quantization_config (quant_method={method!r}): the source is already "
-            f"quantized{hint}; sq quantizes full-precision checkpoints")
+    if qc and not allow_quantized:  # FP8 block-scaled is read (dequantized on the fly); the rest is refused
+        problems += quantization_config_problems(qc, root / "config.json")
     return problems
 
 

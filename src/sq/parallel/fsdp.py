@@ -9,6 +9,7 @@ ignores: split by index across ``ep`` and by rows across ``dp``.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -41,6 +42,26 @@ def apply_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             for _, ex in experts:
                 shard_experts(ex, mesh)
                 ignored.update(p for p in ex.parameters(recurse=False))
+        for sub in _other_dtype_modules(block, ignored):
+            fully_shard(sub, mesh=flat, reshard_after_forward=True)
         fully_shard(block, mesh=flat, reshard_after_forward=True, ignored_params=ignored or None)
     fully_shard(model, mesh=flat, reshard_after_forward=True)
     return model
+
+
+def _other_dtype_modules(block: nn.Module, ignored: set) -> list[nn.Module]:
+    """Submodules holding parameters of another dtype than most of the block's: each its own FSDP2 unit.
+
+    An FSDP2 unit all-gathers one dtype; a bf16 DeepSeek-V3 keeps its router ``mlp.gate.weight``
+    in float32 (transformers' ``_keep_in_fp32_modules_strict``), and its block's forward would
+    fail with "FSDP expects uniform original parameter dtype".
+    """
+    numel: dict[torch.dtype, int] = {}
+    for p in block.parameters():
+        if p not in ignored:
+            numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+    if len(numel) < 2:
+        return []
+    main = max(sorted(numel, key=str), key=numel.get)  # by elements, ties by name: the same on every rank
+    return [m for m in block.modules() if m is not block
+            and any(p.dtype != main for p in m.parameters(recurse=False) if p not in ignored)]

@@ -21,6 +21,10 @@ On-disk key layouts (transformers 5.24, ``save_pretrained``):
   ``...block_sparse_moe.gate.weight`` (in memory: ``mlp.experts.gate_up_proj``, ``mlp.gate``).
 - ``deepseek_v3``: per-expert layout plus a hand-made MTP layer ``model.layers.{L}.*``
   (``L = num_hidden_layers``) in its own last shard.
+- ``deepseek_v3_fp8``: the ``deepseek_v3`` model in bf16, every ``*_proj.weight`` (MTP layer
+  included) stored as ``float8_e4m3fn`` next to its ``*_proj.weight_scale_inv`` block scales, as
+  the official DeepSeek-V3/R1 and Kimi-K2 checkpoints; ``config.json`` has their FP8
+  ``quantization_config``.  transformers reads it through ``load_with_transformers``.
 - ``vlm``: Qwen2-VL; disk ``model.layers.{i}...`` / ``visual...``, memory
   ``model.language_model.layers.{i}...`` / ``model.visual...``.
 """
@@ -37,7 +41,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from sq.calib.data import builtin_pydoc_text
 
@@ -257,6 +261,29 @@ def build_deepseek_v3(
     return path
 
 
+def build_deepseek_v3_fp8(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    shards: int = 4,
+    weight_block_size: tuple[int, int] = (32, 32),
+    **config,
+) -> Path:
+    """The ``deepseek_v3`` fixture in the FP8 block-scaled layout of the official checkpoints.
+
+    Built as bf16 (the real model's dtype), then every ``*_proj.weight`` (and ``kv_a_proj_with_mqa``) of the
+    decoder and MTP layers is quantized block-wise to ``float8_e4m3fn`` (:func:`to_fp8_block_scaled`); norms,
+    embeddings, heads and the router stay bf16.  The default ``[32, 32]`` blocks do not divide
+    the fixture's widths 24 (``kv_a_proj_with_mqa`` rows), 48 (expert rows / ``down_proj``
+    columns) and 16 (``kv_b_proj`` columns): partial last blocks, and at 2 or 3 ranks row
+    splits inside a block (24 -> 12 | 12, 48 -> 24 | 24, 64 -> 22 | 22 | 20).
+    """
+    path = build_deepseek_v3(out_dir, seed=seed, dtype=dtype, shards=shards, **config)
+    to_fp8_block_scaled(path, weight_block_size)
+    return path
+
+
 def build_vlm(
     out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
 ) -> Path:
@@ -307,8 +334,104 @@ FIXTURES: dict[str, Callable[..., Path]] = {
     "qwen3_moe_fused": build_qwen3_moe_fused,
     "mixtral": build_mixtral,
     "deepseek_v3": build_deepseek_v3,
+    "deepseek_v3_fp8": build_deepseek_v3_fp8,
     "vlm": build_vlm,
 }
+
+
+# ----------------------------------------------------------------------------- FP8 block-scaled
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# the Linears DeepSeek ships in FP8: attention and MLP / expert projections, the MTP eh_proj;
+# not the router (mlp.gate), embeddings, lm_head or the MTP shared_head.head
+_FP8_WEIGHT = re.compile(r"_proj(_with_mqa)?\.weight$")
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [out, in]`` -> (``float8_e4m3fn [out, in]``, ``scale_inv`` float32 ``[ceil(out/bo), ceil(in/bi)]``).
+
+    One absmax scale per block (partial last blocks included): ``w ~= q.float() * scale_inv``.
+    """
+    bo, bi = block
+    out, inn = w.shape
+    rows, cols = math.ceil(out / bo), math.ceil(inn / bi)
+    padded = torch.zeros(rows * bo, cols * bi)
+    padded[:out, :inn] = w.float()
+    amax = padded.view(rows, bo, cols, bi).abs().amax(dim=(1, 3))  # [rows, cols]
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w.float() / expand_blocks(scale_inv, block, (out, inn))).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale_inv
+
+
+def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-block values ``[R, C]`` -> per-element ``shape`` (cut at partial last blocks)."""
+    full = scale.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def dequantize_fp8_reference(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                             dtype: torch.dtype) -> torch.Tensor:
+    """The reference dequantization: ``(q.float() * scale_inv per block).to(dtype)``, whole tensor."""
+    return (q.float() * expand_blocks(scale_inv, block, tuple(q.shape))).to(dtype)
+
+
+def fp8_block_size(path: Path) -> tuple[int, int] | None:
+    """``weight_block_size`` of an FP8 block-scaled checkpoint's config.json, else None."""
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    bs = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+    return tuple(bs) if bs else None
+
+
+def to_fp8_block_scaled(path: Path, block: tuple[int, int]) -> None:
+    """Rewrite a checkpoint in place as FP8 block-scaled: each ``*_proj.weight`` -> FP8 + scale_inv.
+
+    Each scale is written in its weight's shard (as the official checkpoints do); the index and
+    config.json's ``quantization_config`` follow.
+    """
+    path = Path(path)
+    index = json.loads((path / INDEX_NAME).read_text())
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname in sorted(set(index["weight_map"].values())):
+        tensors = load_file(path / fname)
+        out = {}
+        for key in sorted(tensors):
+            t = tensors[key]
+            if _FP8_WEIGHT.search(key) and t.dim() == 2:
+                out[key], out[key + "_scale_inv"] = quantize_fp8_blocks(t, block)
+            else:
+                out[key] = t
+        save_file(out, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in out})
+        total += sum(t.numel() * t.element_size() for t in out.values())
+    index["weight_map"] = weight_map
+    index.setdefault("metadata", {})["total_size"] = total
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def dequantized_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint with FP8 weights dequantized (reference) and scales dropped.
+
+    ``dtype`` defaults to the config's; a checkpoint that is not FP8 comes back as stored.
+    """
+    tensors = read_tensors(path)
+    block = fp8_block_size(path)
+    if block is None:
+        return tensors
+    if dtype is None:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        dtype = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"))
+    out = {}
+    for key, t in tensors.items():
+        if key.endswith(".weight_scale_inv"):
+            continue
+        scale = tensors.get(key + "_scale_inv")
+        out[key] = t if scale is None else dequantize_fp8_reference(t, scale, block, dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------- MTP layer
@@ -432,14 +555,24 @@ def mtp_keys(keys, num_hidden_layers: int) -> list[str]:
 
 
 def load_with_transformers(path: Path, dtype: torch.dtype | str = "auto"):
-    """Load a checkpoint with the Auto class its config asks for (VLMs: image-text-to-text)."""
+    """Load a checkpoint with the Auto class its config asks for (VLMs: image-text-to-text).
+
+    An FP8 block-scaled checkpoint is dequantized by :func:`dequantize_fp8_reference` and handed
+    to ``from_pretrained`` as a state dict (transformers' own key conversion still runs): on CPU
+    transformers 5.24 dequantizes FP8 itself with a block size derived from the scale grid,
+    which is wrong or refused where the block size does not divide a dimension.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = AutoConfig.from_pretrained(path)
     archs = getattr(cfg, "architectures", None) or []
     image_text = any("ConditionalGeneration" in a for a in archs)
     auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
-    return auto.from_pretrained(path, dtype=dtype)
+    if fp8_block_size(path) is None:
+        return auto.from_pretrained(path, dtype=dtype)
+    del cfg.quantization_config
+    cls = auto._model_mapping[type(cfg)]  # the Auto class wants a path; the model class takes state_dict alone
+    return cls.from_pretrained(None, config=cfg, state_dict=dequantized_tensors(path), dtype=dtype)
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -458,7 +591,7 @@ def verify_checkpoint(path: Path) -> None:
     model = load_with_transformers(path)
     state = model.state_dict()
     text_cfg = model.config.get_text_config()
-    disk = read_tensors(path)
+    disk = dequantized_tensors(path)  # FP8 weights by the reference dequantization, scales dropped
     skipped = set(mtp_keys(disk, text_cfg.num_hidden_layers))
     fused = _fuse_experts({k: v for k, v in disk.items() if k not in skipped})
 
