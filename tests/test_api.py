@@ -9,7 +9,6 @@ training model (gathered whole), which must differ from the trained fp model's.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

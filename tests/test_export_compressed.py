@@ -9,11 +9,9 @@ import torch
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import (
     QuantizationConfig,
-    QuantizationStatus,
     apply_quantization_config,
     preset_name_to_scheme,
 )
-from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 
 from quant_ref import library_rtn_freeze

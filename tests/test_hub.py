@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from sq.errors import DistError, SqError
+from sq.errors import SqError
 from sq.hub import resolve_model_dist, run_on_rank0
 
 from harness import run_ranks

@@ -95,8 +95,7 @@ def _library_compressed(src, qc_dict: dict, tmp_path):
     (status reset so the library initializes qparams), min-max RTN weight qparams (what
     llm-compressor's MinMax observer does), FROZEN, ModelCompressor.compress_model, update_config."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
     ours = QuantizationConfig.model_validate(qc_dict)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from sq.errors import SqError
 from sq.resume import fsync_dir, safetensors_bytes, sha256_bytes, write_bytes_atomic
@@ -30,7 +29,6 @@ __all__ = [
     "shard_name",
     "write_tensors",
     "write_json",
-    "copy_carried",
     "copy_side_files",
     "merge_index",
 ]
@@ -101,20 +99,6 @@ def write_tensors(out: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> 
 def write_json(path: Path, obj) -> None:
     text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
     _atomic(Path(path), lambda tmp: Path(tmp).write_text(text))
-
-
-def copy_carried(out: Path, source, keys: list[str], name: str = "model-carried.safetensors") -> dict[str, str]:
-    """Checkpoint tensors the model has no slot for (e.g. an MTP layer), copied raw.
-
-    safe_open hands back the stored dtype and bytes unchanged, and save_file writes them
-    unchanged, so the tensor data is byte for byte the source's.
-    """
-    tensors = {}
-    for key in keys:
-        info = source.tensors[key]
-        with safe_open(str(source.path(info.file)), framework="pt") as f:
-            tensors[key] = f.get_tensor(key)
-    return write_tensors(out, name, tensors)
 
 
 def copy_side_files(src: Path, out: Path) -> list[str]:

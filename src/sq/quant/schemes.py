@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from sq.dictconfig import DictConfig
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 

@@ -27,6 +27,8 @@ from sq.load.loader import LoadPlan, fill, free
 from sq.load.meta import decoder_blocks, experts_modules
 from sq.resume import source_identity
 
+CARRIED_NAME = "model-carried.safetensors"
+
 
 class CheckpointWeights:
     """Block tensors streamed from a checkpoint through the load plan."""
@@ -73,8 +75,9 @@ class CheckpointWeights:
         return source_identity(self.plan.source)
 
     def write_extras(self, out: Path) -> dict[str, str]:
-        """Checkpoint tensors the model has no slot for, copied raw (rank 0)."""
-        return writer.copy_carried(out, self.plan.source, self.carried)
+        """Checkpoint tensors the model has no slot for (rank 0): byte for byte, except FP8 block-scaled
+        weights, which are dequantized (their scales have no place in a compressed-tensors config)."""
+        return writer.write_tensors(out, CARRIED_NAME, self.plan.read_carried())
 
     def write_side_files(self, out: Path) -> list[str]:
         return writer.copy_side_files(self.src, out)
