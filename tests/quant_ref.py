@@ -9,6 +9,19 @@ from sq.load.meta import decoder_blocks, experts_modules
 from sq.quant import rtn
 
 
+def read_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``folder`` (a checkpoint or an sq output)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
 @torch.no_grad()
 def fake_quantized_reference(model: nn.Module, scheme) -> nn.Module:
     """RTN fake-quantize every decoder-block Linear and every fused expert projection in place."""

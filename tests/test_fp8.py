@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from ckpt_edit import copy_ckpt, edit_config, edit_tensors
 from harness import run_ranks, run_torchrun
+from quant_ref import read_tensors
 from sq.errors import LoadRefused
 from sq.load import fp8
 from sq.load.loader import plan_load
@@ -309,14 +310,6 @@ def test_orphan_scale(checkpoints, tmp_path):
 # ----------------------------------------------------------------------------- PTQ on the FP8 source
 
 
-def _tensors(path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
-
 def _ptq(checkpoints, out, *extra):
     r = run_torchrun(["sq.ptq", "--model", str(checkpoints[NAME]), "--output", str(out), "--scheme", "W4A16",
                       "--group-size", str(GS), *extra], 2, timeout=240)
@@ -347,7 +340,7 @@ def rtn_out(checkpoints, tmp_path_factory) -> Path:
 
 def test_rtn_from_fp8_loads_and_equals_the_dequantized_twin(checkpoints, rtn_out, loads):
     _check_output(rtn_out)
-    got, want = _tensors(rtn_out), _tensors(loads["twin_out"])
+    got, want = read_tensors(rtn_out), read_tensors(loads["twin_out"])
     carried = set(json.loads((rtn_out / "sq_report.json").read_text())["carried_over"])
     assert set(got) == set(want)
     differ = [k for k in got if k not in carried

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from harness import run_python, run_torchrun
+from quant_ref import read_tensors
 
 GROUP = 32  # divides the fixture's hidden 64 and intermediate 128
 CALIB = ["--nsamples", "8", "--seqlen", "32"]
@@ -29,15 +29,6 @@ def _ptq(src: Path, out: Path, world: int, *args: str, timeout: float = 120.0):
 
 def _ok(res):
     assert res.returncode == 0, res.output[-4000:]
-
-
-def _tensors(out: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    result = {}
-    for name, file in index["weight_map"].items():
-        with safe_open(str(out / file), framework="pt") as f:
-            result[name] = f.get_tensor(name)
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +116,9 @@ def test_rtn_two_ranks_loads_and_matches_fake_quant_reference(rtn_outputs):
 
 def test_rtn_bit_identical_across_world_sizes(rtn_outputs):
     _, outs = rtn_outputs
-    base = _tensors(outs[1])
+    base = read_tensors(outs[1])
     for world in (2, 3):
-        other = _tensors(outs[world])
+        other = read_tensors(outs[world])
         assert set(other) == set(base), world
         for k, v in base.items():
             assert other[k].dtype == v.dtype and torch.equal(other[k], v), (world, k)

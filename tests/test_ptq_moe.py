@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from harness import run_ranks
-from quant_ref import fake_quantized_reference, load_any
+from quant_ref import fake_quantized_reference, load_any, read_tensors
 from sq.quant.schemes import get_scheme
 
 ARCHS = ["llama", "qwen3_moe", "qwen3_moe_fused", "mixtral", "deepseek_v3", "vlm"]
@@ -37,16 +36,8 @@ def _run(jobs, world, timeout=300):
     run_ranks(_quantize_all, world, jobs, timeout=timeout)
 
 
-def _tensors(path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
-
 def _same_bits(a: Path, b: Path) -> list[str]:
-    ta, tb = _tensors(a), _tensors(b)
+    ta, tb = read_tensors(a), read_tensors(b)
     assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))[:5]
     return [k for k in ta if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape
             or not torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8))]
@@ -80,20 +71,20 @@ def test_rtn_output_loads_and_matches_fake_quant(checkpoints, rtn_outputs, arch)
         a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
     assert ((a - b).norm() / b.norm()).item() <= 1e-3
     # carried-over tensors are byte-for-byte the source's
-    src, got = _tensors(checkpoints[arch]), _tensors(out)
+    src, got = read_tensors(checkpoints[arch]), read_tensors(out)
     for k in carried:
         assert torch.equal(src[k].view(torch.uint8), got[k].view(torch.uint8)), k
 
 
 def test_checkpoint_layout_names(rtn_outputs):
-    names = set(_tensors(rtn_outputs / "qwen3_moe-w2"))
+    names = set(read_tensors(rtn_outputs / "qwen3_moe-w2"))
     assert "model.layers.0.mlp.experts.5.gate_proj.weight_packed" in names
     assert "model.layers.1.mlp.experts.7.down_proj.weight_scale" in names
     assert not any("gate_up_proj" in n for n in names)
     assert "model.layers.0.mlp.gate.weight" in names  # the router stays full precision
-    mixtral = set(_tensors(rtn_outputs / "mixtral-w2"))
+    mixtral = set(read_tensors(rtn_outputs / "mixtral-w2"))
     assert "model.layers.0.block_sparse_moe.experts.1.w3.weight_packed" in mixtral
-    fused = set(_tensors(rtn_outputs / "qwen3_moe_fused-w2"))
+    fused = set(read_tensors(rtn_outputs / "qwen3_moe_fused-w2"))
     assert "model.layers.0.mlp.experts.5.up_proj.weight_packed" in fused
     cfg = json.loads((rtn_outputs / "qwen3_moe-w2" / "config.json").read_text())["quantization_config"]
     assert "lm_head" in cfg["ignore"] and "model.layers.0.mlp.gate" in cfg["ignore"]

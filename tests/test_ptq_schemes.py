@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from harness import run_ranks
-from quant_ref import library_rtn_freeze, fake_quantized_reference, load_any
+from quant_ref import fake_quantized_reference, library_rtn_freeze, load_any, read_tensors
 from sq.quant.schemes import get_scheme
-from test_ptq_moe import _quantize_all, _same_bits, _tensors
+from test_ptq_moe import _quantize_all, _same_bits
 
 GS = 16
 SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC"]
@@ -127,7 +127,7 @@ def test_llama_equals_library_model_compressor(checkpoints, outputs, scheme, tmp
     # The only legitimate difference in names: the library's in-memory state dict lists the tied
     # lm_head.weight, which the (tied) checkpoint does not store.
     assert torch.equal(lib_sd.pop("lm_head.weight"), lib_sd["model.embed_tokens.weight"])
-    ours = _tensors(out)
+    ours = read_tensors(out)
     assert set(ours) == set(lib_sd), sorted(set(ours) ^ set(lib_sd))[:5]
     for k, t in ours.items():
         ref = lib_sd[k]
@@ -148,7 +148,7 @@ def test_gptq_world1_vs_world2(outputs):
     from sq.export.compressed import decompress_weight
 
     s = get_scheme("W4A16", GS)
-    a, b = _tensors(outputs / "gptq-w2-a"), _tensors(outputs / "gptq-w1")
+    a, b = read_tensors(outputs / "gptq-w2-a"), read_tensors(outputs / "gptq-w1")
     assert set(a) == set(b)
     differ = total = 0
     max_abs = step = 0.0

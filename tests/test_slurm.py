@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 import pytest
+from quant_ref import read_tensors
 import torch
-from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -137,15 +137,6 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _tensors(out: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    result = {}
-    for name, file in index["weight_map"].items():
-        with safe_open(str(out / file), framework="pt") as f:
-            result[name] = f.get_tensor(name)
-    return result
-
-
 def _load(out: Path):
     from transformers import AutoModelForCausalLM
 
@@ -193,7 +184,7 @@ def ensure_slurm_installed() -> float:
 
 
 def _assert_same_tensors(ref_out: Path, out: Path) -> None:
-    ref, got = _tensors(ref_out), _tensors(out)
+    ref, got = read_tensors(ref_out), read_tensors(out)
     assert set(got) == set(ref)
     for k, v in ref.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
