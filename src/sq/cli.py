@@ -31,12 +31,36 @@ def run_cli(body: Callable[[], object]) -> int:
     except SqError as e:
         for problem in e.problems:
             print(f"sq: error: {problem}", file=sys.stderr)
+        sys.stderr.flush()
+        _settle()
         return 2
     finally:
         try:
             destroy_distributed()
         except Exception:
             pass
+
+
+def _settle(timeout_s: float = 30.0) -> None:
+    """Wait until every rank is here (each has printed its errors) before any rank exits.
+
+    torchrun stops the other ranks as soon as one exits non-zero: without this, a rank that
+    printed first and left at once could get the others killed before they said anything.
+    sq raises its refusals on every rank at the same point, so every rank reaches this; a rank
+    that died instead ends the wait at once (gloo) or after ``timeout_s``.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()
+    except Exception:  # noqa: BLE001 - best effort: the error is already printed
+        pass
 
 
 def exit_process(code: int) -> None:
