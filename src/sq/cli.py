@@ -41,13 +41,14 @@ def run_cli(body: Callable[[], object]) -> int:
             pass
 
 
-def _settle(timeout_s: float = 30.0) -> None:
+def _settle(timeout_s: float = 10.0) -> None:
     """Wait until every rank is here (each has printed its errors) before any rank exits.
 
     torchrun stops the other ranks as soon as one exits non-zero: without this, a rank that
     printed first and left at once could get the others killed before they said anything.
-    sq raises its refusals on every rank at the same point, so every rank reaches this; a rank
-    that died instead ends the wait at once (gloo) or after ``timeout_s``.
+    sq raises its refusals on every rank at the same point, so every rank reaches this within
+    moments; a rank that died ends the wait at once (gloo), and an error only one rank hit (a
+    full disk while it writes) costs ``timeout_s`` before that rank exits.
     """
     import datetime
 
