@@ -590,10 +590,11 @@ def tables() -> str:
                 cpu.append(f"{v['cpu_s']:.0f}")
             res = "ok" if r["rc"] == 0 else (r["error"] or f"rc {r['rc']}")
             if r["rc"] != 0:
-                res += f" after {r['blocks_written']} blocks written"
+                res += " after " + " / ".join(f"{v}" for _, v in sorted(r["blocks_written"].items())) + \
+                    f" of {r['layers']} blocks written (rank 0 / 1)"
             lines.append(f"| {r['label']} (`{' '.join(r['extra']) or 'defaults'}`) | {r['ckpt_bytes'] / GB:.1f} GB = "
                          f"{r['ckpt_bytes'] / GIB:.1f} GiB, {r['layers']} layers x {r['experts']} experts | "
-                         f"{r['wall_s']:.0f} ({rep.get('seconds', float('nan')):.0f}) | {res} | {'; '.join(peaks)} | {'; '.join(reads)} | {' / '.join(cpu)} | "
+                         f"{r['wall_s']:.0f} ({format(rep['seconds'], '.0f') if rep else '-'}) | {res} | {'; '.join(peaks)} | {'; '.join(reads)} | {' / '.join(cpu)} | "
                          f"{r['mem_available_min'] / GIB:.1f} | {r['loadavg_before'][0]:.1f} / {r['loadavg_max']:.1f} |")
         lines += ["", "| job | rank | before first block | fill (read) | calibrate | solve | forward | write | "
                   "bookkeeping | blocks total | report -> index |", "|---|---|---|---|---|---|---|---|---|---|---|"]
