@@ -7,6 +7,7 @@ the schemes, algorithms and output format are those of ``sq.ptq``.  See docs/pyt
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -72,8 +73,8 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
                 problems.append(f"calibration: {windows.shape[0]} samples for {dist.get_world_size()} ranks; "
                                 "every rank needs at least one")
             else:
-                cfg = PTQConfig(**{**cfg.to_dict(), "ignore": cfg.ignore, "nsamples": int(windows.shape[0]),
-                                   "seqlen": int(windows.shape[1]), "dataset": "tensor"})
+                cfg = dataclasses.replace(cfg, nsamples=int(windows.shape[0]), seqlen=int(windows.shape[1]),
+                                          dataset="tensor")
                 data = {"spec": "tensor", "sha256": sha256_bytes(windows.contiguous().cpu().numpy().tobytes())}
         elif tokenizer is None:
             problems.append("GPTQ needs calibration data: pass calibration=token ids, or tokenizer= (and dataset=)")
