@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -18,8 +19,12 @@ from harness import run_ranks, run_torchrun
 from test_ptq_moe import _same_bits
 
 GS = 16
-POINTS_GPTQ = ["calib:0:1", "after-shard-write:1:1", "mid-shard-write:0:1", "manifest-replace:1:1", "index-merge:0"]
-POINTS_RTN = ["after-shard-write:0:1", "mid-shard-write:1:1", "manifest-replace:0:1", "index-merge:0"]
+# Kill chains.  The first kill is at block 1; each later one (no block given) fires at the first
+# block its rerun works on.  A rerun can restart past the killed block (the other rank's shard of
+# it may survive from an earlier kill), so the order keeps at least one block for every point on
+# the 2-block MoE fixture: the points that leave a block undone on one rank come first.
+POINTS_GPTQ = ["calib:0:1", "manifest-replace:1", "after-shard-write:1", "mid-shard-write:0", "index-merge:0"]
+POINTS_RTN = ["after-shard-write:0:1", "manifest-replace:0", "mid-shard-write:1", "index-merge:0"]
 
 
 def _args(model, out, algo):
@@ -41,36 +46,53 @@ def controls(checkpoints, tmp_path_factory):
     return out
 
 
-def _kill_then_resume(checkpoints, controls, tmp_path, arch, algo, fault):
+def _n_blocks(ckpt: Path) -> int:
+    return json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+
+
+def _kill_chain(checkpoints, controls, tmp_path, arch, algo, faults):
+    """Kill at each fault point in turn, every rerun resuming from the state the last kill left.
+
+    Each killed rerun is a resume from the previous point: it must restart at a block the
+    ranks agree on (never before the first killed block, never going back) and redo what
+    the kill left unfinished; the last, uninterrupted rerun must end bit-identical to the
+    control.  One launch per point plus one, instead of two per point.
+    """
     out = tmp_path / "o"
-    killed = run_torchrun(_args(checkpoints[arch], out, algo), 2, timeout=300, env={"SQ_FAULT": fault})
-    assert killed.returncode != 0, "the fault did not fire"
-    assert "fault injection: SIGKILL" in killed.output
-    assert not (out / "model.safetensors.index.json").exists() or (out / ".sq-run").exists()
-    resumed = run_torchrun(_args(checkpoints[arch], out, algo), 2, timeout=300)
-    assert resumed.returncode == 0, resumed.output[-3000:]
+    n_blocks = _n_blocks(checkpoints[arch])
+    restarts = []
+    for fault in [*faults, None]:
+        env = {"SQ_FAULT": fault} if fault else {}
+        res = run_torchrun(_args(checkpoints[arch], out, algo), 2, timeout=300, env=env)
+        found = re.findall(rf"resuming at block (\d+) of {n_blocks}", res.output)
+        if fault != faults[0]:
+            assert len(found) == 1, (fault, res.output[-3000:])
+            restarts.append(int(found[0]))
+        if fault is None:
+            assert res.returncode == 0, res.output[-3000:]
+            break
+        assert res.returncode != 0, f"the fault {fault} did not fire"
+        assert f"fault injection: SIGKILL at {fault.split(':')[0]}" in res.output
+        assert not (out / "model.safetensors.index.json").exists() or (out / ".sq-run").exists()
+    # block 0 was finished by both ranks before the first kill (at block 1); restart points never go
+    # back; after the index-merge kill only the final stage is left
+    assert restarts[0] >= 1 and restarts == sorted(restarts), restarts
+    assert restarts[-1] == n_blocks, restarts
     assert _same_bits(controls[arch, algo], out) == []
     for name in ("model.safetensors.index.json", "config.json"):
         assert (out / name).read_text() == (controls[arch, algo] / name).read_text()
     assert not (out / ".sq-run").exists()
-    return json.loads((out / "sq_report.json").read_text())
+    assert json.loads((out / "sq_report.json").read_text())["resumed_from_block"] == n_blocks
 
 
-@pytest.mark.parametrize("fault", POINTS_GPTQ)
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_gptq_resume_bit_identical(checkpoints, controls, tmp_path, arch, fault):
-    report = _kill_then_resume(checkpoints, controls, tmp_path, arch, "gptq", fault)
-    # the ranks restart at the killed block (both had finished the one before); after the last block
-    # only the final stage is redone
-    n_blocks = json.loads((checkpoints[arch] / "config.json").read_text())["num_hidden_layers"]
-    expected = n_blocks if fault.startswith("index-merge") else 1
-    assert report["resumed_from_block"] == expected
+def test_gptq_killed_at_every_point_resumes_bit_identical(checkpoints, controls, tmp_path, arch):
+    _kill_chain(checkpoints, controls, tmp_path, arch, "gptq", POINTS_GPTQ)
 
 
-@pytest.mark.parametrize("fault", POINTS_RTN)
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_rtn_resume_bit_identical(checkpoints, controls, tmp_path, arch, fault):
-    _kill_then_resume(checkpoints, controls, tmp_path, arch, "rtn", fault)
+def test_rtn_killed_at_every_point_resumes_bit_identical(checkpoints, controls, tmp_path, arch):
+    _kill_chain(checkpoints, controls, tmp_path, arch, "rtn", POINTS_RTN)
 
 
 def test_enospc_is_a_clean_error_then_resumes(checkpoints, controls, tmp_path):

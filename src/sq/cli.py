@@ -46,20 +46,27 @@ def _settle(timeout_s: float = 10.0) -> None:
 
     torchrun stops the other ranks as soon as one exits non-zero: without this, a rank that
     printed first and left at once could get the others killed before they said anything.
-    sq raises its refusals on every rank at the same point, so every rank reaches this within
-    moments; a rank that died ends the wait at once (gloo), and an error only one rank hit (a
-    full disk while it writes) costs ``timeout_s`` before that rank exits.
+    The wait runs on the process group's key-value store, not a collective: a rank still
+    inside a collective (an error only this rank hit, such as a full disk while it writes)
+    cannot hold it past ``timeout_s``, whatever the backend.  sq raises its refusals on every
+    rank at the same point, so there every rank arrives within moments.
     """
-    import datetime
+    import time
 
     import torch.distributed as dist
 
     try:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
-            else:
-                dist.barrier()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        store = dist.PrefixStore("sq-settle/", dist.distributed_c10d._get_default_store())
+        world = dist.get_world_size()
+        deadline = time.monotonic() + timeout_s
+        if store.add("arrived", 1) >= world:
+            return
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if store.add("arrived", 0) >= world:
+                return
     except Exception:  # noqa: BLE001 - best effort: the error is already printed
         pass
 
