@@ -48,8 +48,17 @@ MODEL = "demo:smollm2"
 QUANT = ["--scheme", "W4A16", "--group-size", "64", "--nsamples", "128", "--seqlen", "512"]
 EVAL = ["--nwindows", "40", "--seqlen", "512"]
 RUNS = ("rtn_w2", "gptq_w2", "gptq_w1", "eval_fp", "eval_rtn_w2", "eval_gptq_w2", "eval_gptq_w1")
-# opt-in: GPTQ in natural column order (--actorder off; the driver's default before c1c0d7c)
-EXTRA = ("gptqoff_w2", "eval_gptqoff_w2")
+# opt-in: GPTQ in natural column order (--actorder off; the driver's default before c1c0d7c);
+# SignRound (issue 8) at 4 and 3 bits with RTN / GPTQ at 3 bits beside it (same calibration and evaluation)
+SIGNROUND = ("sr4_w2", "rtn3_w2", "gptq3_w2", "sr3_w2", "eval_sr4_w2", "eval_rtn3_w2", "eval_gptq3_w2", "eval_sr3_w2")
+EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND)
+VARIANTS = {  # run prefix -> (algo, extra arguments)
+    "gptqoff": ("gptq", ["--actorder", "off"]),
+    "sr4": ("signround", ["--iters", "50"]),
+    "sr3": ("signround", ["--iters", "50", "--scheme", "W3A16"]),
+    "rtn3": ("rtn", ["--scheme", "W3A16"]),
+    "gptq3": ("gptq", ["--scheme", "W3A16"]),
+}
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
     ("plain RTN (absmax/7.5) = llm-compressor RTN", "16.03", ""),
@@ -63,9 +72,7 @@ PPL_RE = re.compile(r"perplexity: ([\d.]+)")
 
 def quant_cmd(run: str, out: Path) -> tuple[list[str], dict]:
     algo, world = run.split("_w")
-    extra = []
-    if algo == "gptqoff":
-        algo, extra = "gptq", ["--actorder", "off"]
+    algo, extra = VARIANTS.get(algo, (algo, []))
     args = ["-m", "sq.ptq", "--model", MODEL, "--output", str(out), "--algo", algo, *QUANT, *extra]
     if int(world) == 1:
         cmd = [PY, *args]
@@ -146,6 +153,9 @@ def do_run(run: str, w1_limit: float | None) -> dict:
             rec["mean_rel_err"] = sum(e for e, _ in errs) / len(errs)
             if errs and errs[0][1] is not None:
                 rec["mean_rtn_rel_err"] = sum(e for _, e in errs) / len(errs)
+            if r.get("signround"):  # per block: best loss / starting (RTN) loss
+                ratios = [t["loss_best"] / t["loss_first"] for t in r["signround"].values() if t["loss_first"]]
+                rec["signround_loss_ratio"] = [round(x, 3) for x in ratios]
     if rc != 0 and not killed:
         print(text[-3000:], file=sys.stderr)
     print(f"[bench] {run}: rc={rc} wall={wall:.1f}s cpu={cpu:.1f}s killed={killed} "
@@ -172,7 +182,8 @@ def table(recs: dict[str, dict]) -> str:
     if fp:
         lines.append(f"| fp (demo:smollm2, bf16 weights, fp32 eval) | - | - | - | - | - | {fp:.2f} | 1.00 |")
     for run, label in (("rtn_w2", "sq RTN"), ("gptq_w2", "sq GPTQ"), ("gptq_w1", "sq GPTQ"),
-                       ("gptqoff_w2", "sq GPTQ --actorder off")):
+                       ("gptqoff_w2", "sq GPTQ --actorder off"), ("sr4_w2", "sq SignRound 50 iters"),
+                       ("rtn3_w2", "sq RTN W3"), ("gptq3_w2", "sq GPTQ W3"), ("sr3_w2", "sq SignRound 50 iters W3")):
         q = recs.get(run)
         if not q:
             continue
@@ -198,6 +209,11 @@ def table(recs: dict[str, dict]) -> str:
         if "mean_rtn_rel_err" in r:
             notes.append(f"{run}: mean per-layer output rel. error GPTQ {r['mean_rel_err']:.4f} vs RTN "
                          f"{r['mean_rtn_rel_err']:.4f} on the same Hessians")
+    for run in ("sr4_w2", "sr3_w2"):
+        ratios = recs.get(run, {}).get("signround_loss_ratio")
+        if ratios:
+            notes.append(f"{run}: block loss best / start (RTN) min {min(ratios):.2f}, median "
+                         f"{sorted(ratios)[len(ratios) // 2]:.2f}, max {max(ratios):.2f} over {len(ratios)} blocks")
     for r in recs.values():
         notes.append(f"{r['run']}: load average {r['load_before']:.1f} -> {r['load_after']:.1f}, rc {r['rc']}")
     peers = ["", "| peer (DESIGN.md) | perplexity | seconds |", "|---|---|---|"]

@@ -30,6 +30,8 @@ POINTS_RTN = ["after-shard-write:0:1", "manifest-replace:0", "mid-shard-write:1"
 def _args(model, out, algo):
     a = ["sq.ptq", "--model", str(model), "--output", str(out), "--algo", algo, "--group-size", str(GS),
          "--nsamples", "4", "--seqlen", "16", "--timeout", "60"]
+    if algo == "signround":
+        a += ["--iters", "8", "--batch-size", "2"]
     return a
 
 
@@ -37,12 +39,12 @@ def _args(model, out, algo):
 def controls(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("controls")
     out = {}
-    for arch in ("llama", "qwen3_moe"):
-        for algo in ("rtn", "gptq"):
-            d = root / f"{arch}-{algo}"
-            res = run_torchrun(_args(checkpoints[arch], d, algo), 2, timeout=300)
-            assert res.returncode == 0, res.output[-3000:]
-            out[arch, algo] = d
+    for arch, algo in [("llama", "rtn"), ("llama", "gptq"), ("qwen3_moe", "rtn"), ("qwen3_moe", "gptq"),
+                       ("llama", "signround")]:
+        d = root / f"{arch}-{algo}"
+        res = run_torchrun(_args(checkpoints[arch], d, algo), 2, timeout=300)
+        assert res.returncode == 0, res.output[-3000:]
+        out[arch, algo] = d
     return out
 
 
@@ -50,7 +52,7 @@ def _n_blocks(ckpt: Path) -> int:
     return json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
 
 
-def _kill_chain(checkpoints, controls, tmp_path, arch, algo, faults):
+def _kill_chain(checkpoints, controls, tmp_path, arch, algo, faults, after_first=None):
     """Kill at each fault point in turn, every rerun resuming from the state the last kill left.
 
     Each killed rerun is a resume from the previous point: it must restart at a block the
@@ -74,6 +76,8 @@ def _kill_chain(checkpoints, controls, tmp_path, arch, algo, faults):
         assert res.returncode != 0, f"the fault {fault} did not fire"
         assert f"fault injection: SIGKILL at {fault.split(':')[0]}" in res.output
         assert not (out / "model.safetensors.index.json").exists() or (out / ".sq-run").exists()
+        if fault == faults[0] and after_first is not None:
+            after_first(out)
     # block 0 was finished by both ranks before the first kill (at block 1); restart points never go
     # back; after the index-merge kill only the final stage is left
     assert restarts[0] >= 1 and restarts == sorted(restarts), restarts
@@ -88,6 +92,18 @@ def _kill_chain(checkpoints, controls, tmp_path, arch, algo, faults):
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_gptq_killed_at_every_point_resumes_bit_identical(checkpoints, controls, tmp_path, arch):
     _kill_chain(checkpoints, controls, tmp_path, arch, "gptq", POINTS_GPTQ)
+
+
+def test_signround_killed_mid_block_and_between_blocks_resumes_bit_identical(checkpoints, controls, tmp_path):
+    """Both chains come back from the cache: a block re-tuned from rebuilt inputs would differ."""
+    def both_chains_cached(out):
+        from safetensors import safe_open
+
+        with safe_open(str(out / ".sq-run" / "rank-00000" / "chain-00001.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert any(k.startswith("h") for k in keys) and any(k.startswith("f") for k in keys), keys
+
+    _kill_chain(checkpoints, controls, tmp_path, "llama", "signround", POINTS_GPTQ, after_first=both_chains_cached)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

@@ -37,6 +37,9 @@ def build_parser() -> ArgParser:
     p.add_argument("--actorder", default="static", choices=("static", "off"),
                    help="GPTQ column order: static act-order (descending Hessian diagonal, scales fixed up "
                         "front, as llm-compressor) or off (natural order)")
+    p.add_argument("--iters", type=int, default=200, help="SignRound: signed-gradient steps per block")
+    p.add_argument("--lr", type=float, default=None, help="SignRound: step size (default 1/iters, decaying linearly)")
+    p.add_argument("--batch-size", type=int, default=8, help="SignRound: calibration samples per step, over all ranks")
     p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
     return p
 
@@ -48,7 +51,8 @@ def parse_args(argv=None):
     return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
                      nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
-                     calibrate_all_experts=a.calibrate_all, resume=a.resume, actorder=a.actorder == "static", bookkeeping=a.bookkeeping,
+                     calibrate_all_experts=a.calibrate_all, resume=a.resume, actorder=a.actorder == "static",
+                     iters=a.iters, lr=a.lr, batch_size=a.batch_size, bookkeeping=a.bookkeeping,
                      fault=os.environ.get("SQ_FAULT"))
 
 

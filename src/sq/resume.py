@@ -6,7 +6,8 @@ Layout under the output folder::
     .sq-run/lock                          pid and host of the running job (rank 0)
     .sq-run/rank-NNNNN/manifest.json      blocks completed in order, with the files written
                                           (size, sha256, tensor names)
-    .sq-run/rank-NNNNN/chain-BBBBB.safetensors   this rank's inputs of block BBBBB (quantized chain)
+    .sq-run/rank-NNNNN/chain-BBBBB.safetensors   this rank's inputs of block BBBBB (quantized chain;
+                                               SignRound: and the full-precision chain)
 
 A block is recorded only after its files are renamed into place and its chain file written;
 every file goes temp -> fsync -> rename -> fsync(folder).  On start each rank verifies its
@@ -269,17 +270,22 @@ class RunState:
     def chain_name(block: int) -> str:
         return f"chain-{block:05d}.safetensors"
 
-    def write_chain(self, block: int, hidden: list[torch.Tensor]) -> None:
+    def write_chain(self, block: int, hidden: list[torch.Tensor], fp: list[torch.Tensor] | None = None) -> None:
+        """Cache this rank's inputs of ``block``: the quantized chain, and the full-precision one
+        where the algorithm needs both (SignRound's targets)."""
         if not self.enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        data = safetensors_bytes({f"h{i:06d}": h for i, h in enumerate(hidden)})
+        tensors = {f"h{i:06d}": h for i, h in enumerate(hidden)}
+        tensors.update({f"f{i:06d}": h for i, h in enumerate(fp or [])})
+        data = safetensors_bytes(tensors)
         write_bytes_atomic(self.dir / self.chain_name(block), data)
         self.manifest.setdefault("chains", {})[str(block)] = {"size": len(data), "sha256": sha256_bytes(data)}
 
-    def read_chain(self, block: int) -> list[torch.Tensor]:
+    def read_chain(self, block: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(quantized chain, full-precision chain; empty unless written)."""
         t = st_load((self.dir / self.chain_name(block)).read_bytes())
-        return [t[k] for k in sorted(t)]
+        return [t[k] for k in sorted(t) if k[0] == "h"], [t[k] for k in sorted(t) if k[0] == "f"]
 
     def record_block(self, block: int, files: dict[str, dict], fault: Fault | None = None) -> None:
         """Mark ``block`` done (after its files and chain are in place); keep the last two chains."""

@@ -43,6 +43,7 @@ from sq.quant.experts import (FUSED, ExpertCalibration, export_slots, gather_row
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.quant.recipe import Assigner, make_assigner, scheme_tag
 from sq.quant.schemes import QuantScheme, check_group_size
+from sq.quant.signround import SignRoundConfig, Slot, dim0_counts, tune_block, unsharded
 from sq.quant.weights import CheckpointWeights
 from sq.report import LOG_DIR, add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
 from sq.resume import RUN_DIR, Fault, RunState, maybe_die, sha256_bytes, signature_diff
@@ -51,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PTQConfig", "quantize_model"]
 
-ALGOS = ("rtn", "gptq")
+ALGOS = ("rtn", "gptq", "signround")
+CALIBRATED = ("gptq", "signround")  # algorithms that run calibration data through the blocks
 CALIB_BATCH = 8  # samples per calibration forward
 
 
@@ -74,6 +76,9 @@ class PTQConfig:
     ep: int = 1
     calibrate_all_experts: bool = True
     actorder: bool = True  # GPTQ static act-order (llm-compressor's default for group scales)
+    iters: int = 200  # SignRound steps per block
+    lr: float | None = None  # SignRound step size (None: 1 / iters, decaying linearly)
+    batch_size: int = 8  # SignRound samples per step, over all ranks
     resume: str = "auto"  # auto | never | require
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
@@ -89,6 +94,11 @@ class PTQConfig:
             v = getattr(self, flag)
             if v <= 0:
                 out.append(f"--{flag} must be positive, got {v}")
+        if self.algo == "signround":
+            out += self.signround.problems()
+            if self.ep > 1:
+                out.append("--algo signround runs with --ep 1 (experts tuned by the rank holding them under "
+                           "FSDP2); expert-parallel tuning is not supported yet")
         for pat in self.ignore:
             try:
                 re.compile(pat)
@@ -105,12 +115,19 @@ class PTQConfig:
         d["ignore"] = list(self.ignore)
         return d
 
+    @property
+    def signround(self) -> SignRoundConfig:
+        return SignRoundConfig(iters=self.iters, lr=self.lr, batch_size=self.batch_size)
+
     def signature_args(self) -> dict[str, Any]:
         """The arguments a resumed run must share (not where to write, how to launch, or faults)."""
         d = self.to_dict()
         # the recipe's content (rules and the resolved assignment) is in the signature, not its path
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe"):
             d.pop(k)
+        if self.algo != "signround":
+            for k in SignRoundConfig.__dataclass_fields__:
+                d.pop(k)
         return d
 
 
@@ -132,6 +149,7 @@ class _Stats:
     layers: dict[str, dict] = field(default_factory=dict)
     blocks: list[dict] = field(default_factory=list)
     experts_rtn_fallback: int = 0  # experts no calibration token reached (quantized with RTN)
+    tuning: dict[str, dict] = field(default_factory=dict)  # SignRound: block prefix -> first / best loss
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +205,16 @@ def _refusals(model, cfg: PTQConfig, assigner: Assigner) -> list[str]:
                     check_group_size(f"{prefix}.{n}", m.in_features, scheme)
                 except SqError as e:
                     problems += e.problems
-    if cfg.algo == "gptq" and cfg.nsamples < dist.get_world_size():
+    if cfg.algo == "signround":
+        for prefix, block in decoder_blocks(model):
+            names = [f"{prefix}.{n}" for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+            names += [f"{prefix}.{n}" for n, _ in experts_modules(block)]
+            floats = {scheme_tag(s) for s in map(assigner.assign, names) if s is not None and s.type != "int"}
+            if floats:
+                problems.append(f"--algo signround tunes integer weights; {prefix} is assigned "
+                                f"{', '.join(sorted(floats))} (quantize float8 layers in another run, or with rtn/gptq)")
+                break
+    if cfg.algo in CALIBRATED and cfg.nsamples < dist.get_world_size():
         problems.append(f"--nsamples {cfg.nsamples} is smaller than the world size {dist.get_world_size()}: "
                         "every rank needs calibration samples")
     return problems
@@ -329,7 +356,7 @@ def _signature(cfg: PTQConfig, assigner: Assigner, assignment: dict[str, str], w
     }
 
 
-def _quantize_experts(experts, calibs, algo: str, actorder: bool = True):
+def _quantize_experts(experts, calibs, algo: str, actorder: bool = True, slots: dict | None = None):
     """Quantize the local rows of every local expert; write the dequantized rows back.
 
     Returns ``{experts prefix: {param: (q, scale, zp) local [n_local, rows_local, ...]}}`` and
@@ -342,6 +369,13 @@ def _quantize_experts(experts, calibs, algo: str, actorder: bool = True):
         out[eprefix] = {}
         for pname in FUSED:
             local, off = local_box(ex._parameters[pname])
+            slot = (slots or {}).get(f"{eprefix}.{pname}")
+            if slot is not None:  # SignRound: tuned per local expert already
+                res = slot.result()
+                if res is not None:
+                    local.copy_(res[3])
+                out[eprefix][pname] = res[:3] if res is not None else (None, None, None)
+                continue
             qs, ss, zs = [], [], []
             for i in range(local.shape[0]):
                 e = off[0] + i
@@ -362,6 +396,22 @@ def _quantize_experts(experts, calibs, algo: str, actorder: bool = True):
             for g in (*calib.h_in.values(), *calib.h_mid.values()):
                 g.free()
     return out, fallback
+
+
+def _signround_slots(linears: list[_Linear], experts, world: int) -> dict[str, Slot]:
+    """This rank's dim-0 shard of every quantized weight of the block, as SignRound slots (same order everywhere)."""
+    slots = {}
+    for lin in linears:
+        local, _ = local_box(lin.module.weight)
+        slots[lin.name] = Slot(lin.name, lin.module, "weight", lin.scheme, local,
+                               dim0_counts(lin.module.out_features, world))
+    for eprefix, ex, scheme in experts:
+        for pname in FUSED:
+            p = ex._parameters[pname]
+            local, _ = local_box(p)
+            slots[f"{eprefix}.{pname}"] = Slot(f"{eprefix}.{pname}", ex, pname, scheme, local,
+                                               dim0_counts(p.shape[0], world))
+    return slots
 
 
 def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme) -> dict[str, torch.Tensor]:
@@ -430,7 +480,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     plan = plan_load(model, src)
     weights = CheckpointWeights(model, plan, src, device)
     text = tokenizer = None
-    if cfg.algo == "gptq":  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
+    if cfg.algo in CALIBRATED:  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(src)
@@ -516,7 +566,7 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
     # ---- agree on the restart point: the largest block every rank can restart from
     state.load_manifest()
     points = [None] * world
-    dist.all_gather_object(points, state.restart_points(need_chain=cfg.algo == "gptq", n_blocks=len(blocks)))
+    dist.all_gather_object(points, state.restart_points(need_chain=cfg.algo in CALIBRATED, n_blocks=len(blocks)))
     start = max(set.intersection(*(set(p) for p in points)))
     fragments: dict[str, str] = state.truncate(start)
     if start:
@@ -526,14 +576,20 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         parallelize()
     weights.fill(weights.root_names)
 
-    # ---- calibration (gptq only): this rank's samples rank::world -> block-0 inputs
-    inputs, steps, dummy = [], 0, None
-    if cfg.algo == "gptq" and start < len(blocks):
+    # ---- calibration: this rank's samples rank::world -> block-0 inputs; SignRound also carries
+    # the full-precision chain (its targets)
+    inputs, fp_inputs, steps, dummy = [], [], 0, None
+    signround = cfg.algo == "signround"
+    if cfg.algo in CALIBRATED and start < len(blocks):
         torch.manual_seed(cfg.seed)
         inputs = _capture_block0(model, windows()[rank::world], device)
         steps = math.ceil(math.ceil(cfg.nsamples / world) / CALIB_BATCH)
-        if start:  # the quantized chain from the cache, never rebuilt approximately
-            inputs = [(h, kw) for h, (_, kw) in zip(state.read_chain(start), inputs, strict=True)]
+        fp_inputs = inputs
+        if start:  # both chains from the cache, never rebuilt approximately
+            q_chain, fp_chain = state.read_chain(start)
+            inputs = [(h, kw) for h, (_, kw) in zip(q_chain, inputs, strict=True)]
+            if signround:
+                fp_inputs = [(h, kw) for h, (_, kw) in zip(fp_chain, fp_inputs, strict=True)]
         dummy = inputs[0]
 
     stats = _Stats()
@@ -565,6 +621,19 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
                 g.nsamples = int(n.item())
             phase["calibrate"] = time.perf_counter() - t
 
+        # SignRound: full-precision targets (and the next fp inputs), then tune this rank's rows / experts
+        slots: dict[str, Slot] = {}
+        if signround:
+            t = time.perf_counter()
+            fp_out = _block_forward(block, fp_inputs, steps, dummy)
+            slots = _signround_slots(linears, experts, world)
+            if slots and cfg.iters:
+                with unsharded(block):
+                    stats.tuning[prefix] = tune_block(block, list(slots.values()), inputs, fp_out, cfg.nsamples,
+                                                      cfg.signround, cfg.seed, b)
+            maybe_die(fault, "calib", rank, b)
+            phase["tune"] = time.perf_counter() - t
+
         # quantize this rank's rows, write the dequantized rows back (the quantized chain)
         t = time.perf_counter()
         results = {}
@@ -572,14 +641,17 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
             local, _ = local_box(lin.module.weight)
             g = counting.get(lin.name) if counting else None
             w = local.detach().clone()
-            q, scale, zp, deq = _quantize_rows(w, lin.scheme, g, lin.name, cfg.actorder)
+            if lin.name in slots:
+                q, scale, zp, deq = slots[lin.name].result()
+            else:
+                q, scale, zp, deq = _quantize_rows(w, lin.scheme, g, lin.name, cfg.actorder)
             H = g.H if g is not None else None
             terms = _err_terms(w, deq, H)
-            if g is not None:  # RTN on the same rows and Hessian, for comparison in the report
+            if g is not None or lin.name in slots:  # RTN on the same rows (and Hessian), for comparison
                 terms += _err_terms(w, _quantize_rows(w, lin.scheme, None, lin.name)[3], H)
             local.copy_(deq)
             results[lin.name] = (q, scale, zp, terms)
-        expert_q, fallback = _quantize_experts(experts, calibs, cfg.algo, cfg.actorder)
+        expert_q, fallback = _quantize_experts(experts, calibs, cfg.algo, cfg.actorder, slots)
         if counting:
             for g in counting.gptq.values():
                 g.free()
@@ -602,10 +674,12 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
             stats.experts_rtn_fallback += len(set().union(*every))  # dp replicas name the same experts
 
         # the quantized chain: next block's inputs
-        if cfg.algo == "gptq" and b + 1 < len(blocks):
+        if cfg.algo in CALIBRATED and b + 1 < len(blocks):
             t = time.perf_counter()
             outs = _block_forward(block, inputs, steps, dummy)
             inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
+            if signround:
+                fp_inputs = [(y, kw) for y, (_, kw) in zip(fp_out, fp_inputs)]
             dummy = inputs[0]
             phase["forward"] = time.perf_counter() - t
 
@@ -644,8 +718,8 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         if rec:
             fragments.update({k: shard for k in rec["tensors"]})
         t_book = time.perf_counter()
-        if cfg.algo == "gptq" and b + 1 < len(blocks):
-            state.write_chain(b + 1, [h for h, _ in inputs])
+        if cfg.algo in CALIBRATED and b + 1 < len(blocks):
+            state.write_chain(b + 1, [h for h, _ in inputs], [h for h, _ in fp_inputs] if signround else None)
         state.record_block(b, {shard: rec} if rec else {}, fault)
         book_s = book.get("checksum", 0.0) + time.perf_counter() - t_book
         weights.free(names)
@@ -654,6 +728,9 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         total = time.perf_counter() - t0
         stats.blocks.append({"block": b, "seconds": round(total, 3),
                              **{k: round(v, 3) for k, v in phase.items()}})
+        if prefix in stats.tuning:
+            logger.info("block %d/%d SignRound loss %.4g -> %.4g (start -> best of %d steps)", b + 1, len(blocks),
+                        stats.tuning[prefix]["loss_first"], stats.tuning[prefix]["loss_best"], cfg.iters)
         logger.debug("block %d/%d done in %.2fs %s", b + 1, len(blocks), total,
                      " ".join(f"{k}={v:.2f}" for k, v in phase.items()))
         progress.step(b, total)
@@ -698,6 +775,8 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
                 "experts_rtn_fallback": stats.experts_rtn_fallback,
                 "resumed_from_block": start,
             }
+            if signround:
+                report["signround"] = stats.tuning
             _finish(out, weights, groups, unquantized, report, all_frags, fault, state)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
             err = e

@@ -11,6 +11,8 @@ name           weights                                                format
 =============  =====================================================  ================
 W4A16          int4 symmetric, group-wise (default group 128)         pack-quantized
 W4A16_ASYM     int4 asymmetric (int8-stored zero points), group-wise  pack-quantized
+W3A16, W2A16   int3 / int2 symmetric, group-wise (low-bit; for         pack-quantized
+               SignRound or GPTQ)
 W8A16          int8 symmetric, group-wise (the library preset is      pack-quantized
                group 128, not per-channel)
 FP8_DYNAMIC    float8 e4m3 per output channel; activations float8     float-quantized
@@ -138,6 +140,8 @@ def _presets(group_size: int) -> dict[str, QuantScheme]:
     return {
         "W4A16": QuantScheme("W4A16", 4, "int", True, "group", group_size),
         "W4A16_ASYM": QuantScheme("W4A16_ASYM", 4, "int", False, "group", group_size),
+        "W3A16": QuantScheme("W3A16", 3, "int", True, "group", group_size),
+        "W2A16": QuantScheme("W2A16", 2, "int", True, "group", group_size),
         "W8A16": QuantScheme("W8A16", 8, "int", True, "group", group_size),
         "FP8_DYNAMIC": QuantScheme(
             "FP8_DYNAMIC", 8, "float", True, "channel", None, activations="fp8_dynamic_token"

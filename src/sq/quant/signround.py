@@ -1,0 +1,330 @@
+"""SignRound (AutoRound): tuned rounding and clipping per block, signed gradient descent, data parallel.
+
+For every quantized weight ``W`` (a Linear's ``[out, in]``, or a fused expert tensor
+``[E, out, in]``) SignRound learns, group by group,
+
+=========  =======================  ======================  =====
+parameter  shape                    range                   start
+=========  =======================  ======================  =====
+``v``      like ``W``               ``[-0.5, 0.5]``         0
+``alpha``  ``[..., out, groups]``   ``[0, 1]`` (x min)      1
+``beta``   ``[..., out, groups]``   ``[0, 1]`` (x max)      1
+=========  =======================  ======================  =====
+
+and quantizes ``q = clamp(round(W / s + v) + zp)`` with ``s`` (and ``zp``) from the clipped range
+``(alpha * min, beta * max)`` by the same formulas as RTN (``sq.quant.rtn``), rounding through the
+straight-through estimator.  With ``v = 0, alpha = beta = 1`` it is RTN.  The loss is the MSE
+between the block's output with the quantized weights on the quantized chain's inputs and the
+full-precision block's output on the full-precision chain's inputs; the parameters take signed
+gradient steps (``lr`` defaults to ``1 / iters``, decaying linearly to 0) and the parameters of
+the best loss seen are kept.
+
+Distribution.  Calibration sample ``j`` lives on rank ``j % world``.  Every step draws one global
+batch (the same on every rank: seeded by the seed, the block and the step); each rank runs its
+own samples of it and normalises by the global batch, so the gradients summed over ranks are the
+gradient of the whole batch, whatever the world size.  Each rank owns the tuned parameters of
+the dim-0 shard FSDP2 gave it (its rows of a Linear, its experts of a fused expert tensor): it
+quantizes only those, and all-gathers the quantized weight for the forward, whose backward sums
+every rank's gradient for each owner's rows (:class:`_GatherDim0`).  Every rank takes the same
+steps in the same order, so a run is deterministic and a resumed block is redone bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from sq.dictconfig import DictConfig
+from sq.quant import rtn
+from sq.quant.schemes import QuantScheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SignRoundConfig", "Slot", "tune_block", "tuned_qdq", "tuned_quantize"]
+
+
+@dataclass(frozen=True)
+class SignRoundConfig(DictConfig):
+    iters: int = 200
+    lr: float | None = None  # None: 1 / iters
+    batch_size: int = 8  # samples per step, over all ranks
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.iters < 0:
+            out.append(f"--iters must be >= 0, got {self.iters}")
+        if self.batch_size <= 0:
+            out.append(f"--batch-size must be positive, got {self.batch_size}")
+        if self.lr is not None and not self.lr > 0:
+            out.append(f"--lr must be positive, got {self.lr}")
+        return out
+
+    @property
+    def step_size(self) -> float:
+        return self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
+
+
+# ---------------------------------------------------------------- the maths (row-independent)
+
+
+def _round_ste(x: Tensor) -> Tensor:
+    return x + (x.round() - x).detach()
+
+
+def _grouped(w: Tensor, scheme: QuantScheme) -> Tensor:
+    """``[..., out, in]`` -> ``[..., out, groups, group]`` (a channel is one group)."""
+    gs = w.shape[-1] if scheme.strategy == "channel" else scheme.group_size
+    return w.unflatten(-1, (w.shape[-1] // gs, gs))
+
+
+def _range(wg: Tensor, alpha: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    wmin = wg.amin(-1).clamp(max=0) * alpha  # 0 stays representable, as RTN
+    wmax = wg.amax(-1).clamp(min=0) * beta
+    return wmin, wmax
+
+
+def _scale(wmin: Tensor, wmax: Tensor, scheme: QuantScheme) -> Tensor:
+    span = scheme.qmax - scheme.qmin
+    if scheme.symmetric:
+        return torch.maximum(wmin.abs(), wmax) / (span / 2)
+    return (wmax - wmin) / span
+
+
+def tuned_qdq(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme) -> Tensor:
+    """Differentiable quantize-dequantize of ``w`` (float32) with the tuned parameters."""
+    wg = _grouped(w, scheme)
+    wmin, wmax = _range(wg, alpha, beta)
+    scale = _scale(wmin, wmax, scheme).clamp(min=torch.finfo(torch.bfloat16).eps).unsqueeze(-1)
+    x = wg / scale + _grouped(v, scheme)
+    if scheme.symmetric:
+        q = torch.clamp(_round_ste(x), scheme.qmin, scheme.qmax)
+        return (q * scale).flatten(-2)
+    zp = torch.clamp(_round_ste(scheme.qmin - wmin.unsqueeze(-1) / scale), scheme.qmin, scheme.qmax)
+    q = torch.clamp(_round_ste(x) + zp, scheme.qmin, scheme.qmax)
+    return ((q - zp) * scale).flatten(-2)
+
+
+@torch.no_grad()
+def tuned_quantize(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme):
+    """The checkpoint form of the tuned quantization of ``w [rows, in]``: ``(q, scale, zp, dequantized)``.
+
+    ``scale`` is in ``w.dtype`` (as RTN's) and the dequantized weight is exactly what a loader
+    reconstructs from ``(q, scale, zp)`` (``rtn.dequantize``).
+    """
+    wg = _grouped(w.float(), scheme)
+    wmin, wmax = _range(wg, alpha, beta)
+    scale = _scale(wmin, wmax, scheme).to(w.dtype)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype), scale)
+    s32 = scale.float().unsqueeze(-1)
+    x = torch.round(wg / s32 + _grouped(v, scheme))
+    zp = None
+    if not scheme.symmetric:
+        zp = torch.clamp(torch.round(scheme.qmin - wmin.unsqueeze(-1) / s32), scheme.qmin, scheme.qmax)
+        x = x + zp
+        zp = zp.squeeze(-1).to(torch.int8)
+    q = torch.clamp(x, scheme.qmin, scheme.qmax).flatten(-2).to(torch.int8)
+    return q, scale, zp, rtn.dequantize(q, scale, zp, scheme).to(w.dtype)
+
+
+# ---------------------------------------------------------------- distribution
+
+
+def dim0_counts(n: int, world: int) -> list[int]:
+    """Sizes of FSDP2's dim-0 shards (torch.chunk, empty tail chunks)."""
+    counts = [len(c) for c in torch.arange(n).chunk(world)]
+    return counts + [0] * (world - len(counts))
+
+
+class _GatherDim0(torch.autograd.Function):
+    """All-gather dim-0 shards into the whole tensor; backward: the summed gradient of one's own shard."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, counts: list[int], rank: int) -> Tensor:
+        ctx.lo = sum(counts[:rank])
+        ctx.hi = ctx.lo + counts[rank]
+        if len(counts) == 1:
+            return local
+        pad = max(counts)
+        buf = local.new_zeros(pad, *local.shape[1:])
+        buf[: local.shape[0]] = local
+        parts = [torch.empty_like(buf) for _ in counts]
+        dist.all_gather(parts, buf.contiguous())
+        return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            grad = grad.contiguous()
+            dist.all_reduce(grad)
+        return grad[ctx.lo:ctx.hi], None, None
+
+
+@dataclass
+class Slot:
+    """One tuned weight: this rank's dim-0 shard of ``module.<pname>`` and its parameters."""
+
+    name: str
+    module: nn.Module
+    pname: str
+    scheme: QuantScheme
+    local: Tensor  # this rank's shard (a view of FSDP2's sharded storage)
+    counts: list[int]  # dim-0 shard sizes of every rank
+
+    def __post_init__(self):
+        w = self.local.float()
+        groups = _grouped(w, self.scheme).shape[:-1]
+        self.v = torch.zeros_like(w, requires_grad=True)
+        self.alpha = torch.ones(groups, dtype=torch.float32, device=w.device, requires_grad=True)
+        self.beta = torch.ones(groups, dtype=torch.float32, device=w.device, requires_grad=True)
+        self.w32 = w
+        self.best = None
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [self.v, self.alpha, self.beta]
+
+    def full_qdq(self) -> Tensor:
+        local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme).to(self.local.dtype)
+        return _GatherDim0.apply(local, self.counts, dist.get_rank())
+
+    def keep_best(self) -> None:
+        self.best = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for p, (lo, hi) in zip(self.params, ((-0.5, 0.5), (0.0, 1.0), (0.0, 1.0))):
+            if p.grad is not None:
+                p.add_(torch.sign(p.grad), alpha=-lr).clamp_(lo, hi)
+                p.grad = None
+
+    def result(self):
+        """(q, scale, zp, dequantized) of the local shard with the best parameters, 2-D or per expert."""
+        v, a, b = self.best if self.best is not None else [p.detach() for p in self.params]
+        w = self.local
+        if w.ndim == 2:
+            return tuned_quantize(w, v, a, b, self.scheme)
+        parts = [tuned_quantize(w[i], v[i], a[i], b[i], self.scheme) for i in range(w.shape[0])]
+        return tuple(torch.stack(t) if t[0] is not None else None for t in zip(*parts)) if parts else None
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class _Swapped:
+    """``module.<pname>`` reads a given tensor instead of its parameter while inside."""
+
+    def __init__(self, slots: list[Slot], tensors: list[Tensor]):
+        self.pairs = list(zip(slots, tensors))
+
+    def __enter__(self):
+        self.saved = []
+        for s, t in self.pairs:
+            self.saved.append(s.module._parameters.pop(s.pname))
+            s.module.__dict__[s.pname] = t
+
+    def __exit__(self, *exc):
+        for (s, _), p in zip(self.pairs, self.saved):
+            del s.module.__dict__[s.pname]
+            s.module._parameters[s.pname] = p
+
+
+def _select(inputs: list[tuple[Tensor, dict]], rows: list[int]) -> tuple[Tensor, dict]:
+    """Local samples ``rows`` (indices into the concatenated local batches) as one batch."""
+    sizes = [h.shape[0] for h, _ in inputs]
+    picks, kw0 = [], inputs[0][1]
+    for r in rows:
+        i = 0
+        while r >= sizes[i]:
+            r -= sizes[i]
+            i += 1
+        picks.append(inputs[i][0][r:r + 1])
+    hidden = torch.cat(picks)
+    n0 = sizes[0]
+
+    def batch(v):
+        if isinstance(v, Tensor) and v.ndim and v.shape[0] == n0 and n0 > 1:
+            return v[:1].expand(len(rows), *v.shape[1:])  # windows share positions; only shapes differ
+        if isinstance(v, tuple):
+            return tuple(batch(x) for x in v)
+        return v
+
+    return hidden, {k: batch(v) for k, v in kw0.items()}
+
+
+def _out(y) -> Tensor:
+    return y[0] if isinstance(y, tuple) else y
+
+
+def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[Tensor], nsamples: int,
+               cfg: SignRoundConfig, seed: int, block_index: int) -> dict:
+    """Tune every slot of ``block`` in place (``slot.best``); returns ``{"loss_first", "loss_best"}``.
+
+    ``q_inputs`` are this rank's quantized-chain inputs ``[(hidden, kwargs), ...]`` (its samples
+    ``rank::world`` in order) and ``fp_outputs`` the full-precision block's outputs for the
+    same samples.  Collective: every rank calls it with the same slots in the same order.  The
+    block's FSDP2 units must be unsharded (the caller's job: :func:`unsharded`).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fp_rows = torch.cat(fp_outputs)
+    bs = min(cfg.batch_size, nsamples)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + block_index)
+    lr0 = cfg.step_size
+    best, first = float("inf"), None
+    numel_per_sample = fp_rows[0].numel()
+    for it in range(cfg.iters):
+        batch = torch.randperm(nsamples, generator=gen)[:bs].sort().values.tolist()
+        mine = [j // world for j in batch if j % world == rank]
+        real = bool(mine)
+        rows = mine if real else [0]
+        with torch.enable_grad():
+            weights = [s.full_qdq() for s in slots]
+            hidden, kw = _select(q_inputs, rows)
+            with _Swapped(slots, weights):
+                y = _out(block.forward(hidden, **kw))
+            diff = (y.float() - fp_rows[rows].float())
+            loss = diff.pow(2).sum() / (bs * numel_per_sample)
+            if not real:
+                loss = loss * 0.0
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            total = float(total)
+            if first is None:
+                first = total
+            if total < best:
+                best = total
+                for s in slots:
+                    s.keep_best()
+            if it == cfg.iters - 1:
+                break  # the last step's update would never be evaluated
+            loss.backward()
+        lr = lr0 * (1.0 - it / cfg.iters)
+        for s in slots:
+            s.step(lr)
+    return {"loss_first": first, "loss_best": best if first is not None else None}
+
+
+class unsharded:
+    """Keep ``block``'s FSDP2 units (the block and any sub-unit) unsharded across forwards and backwards."""
+
+    def __init__(self, block: nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units = [m for m in block.modules() if isinstance(m, FSDPModule)]
+
+    def __enter__(self):
+        for m in self.units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+            m.unshard()
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.units:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+            m.reshard()
