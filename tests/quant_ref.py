@@ -68,3 +68,19 @@ def library_rtn_freeze(module: nn.Module) -> None:
     if hasattr(module, "weight_zero_point"):
         module.weight_zero_point.data.copy_(zp)
     module.quantization_status = QuantizationStatus.FROZEN
+
+
+def quantize_jobs(rank, world, jobs) -> list[str | None]:
+    """``run_ranks`` target: ``quantize_model(PTQConfig(**job))`` for each job in turn; per job
+    ``None`` or the ``SqError`` it raised (identical on every rank)."""
+    from sq.errors import SqError
+    from sq.quant.blockwise import PTQConfig, quantize_model
+
+    out = []
+    for job in jobs:
+        try:
+            quantize_model(PTQConfig(**job))
+            out.append(None)
+        except SqError as e:
+            out.append(str(e))
+    return out

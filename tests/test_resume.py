@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from harness import run_ranks, run_torchrun
+from quant_ref import quantize_jobs
 from test_ptq_moe import _same_bits
 
 GS = 16
@@ -35,16 +37,33 @@ def _args(model, out, algo):
     return a
 
 
+def _config(model, out, algo) -> dict:
+    """``_args`` as PTQConfig fields."""
+    job = dict(model=str(model), output=str(out), algo=algo, group_size=GS, nsamples=4, seqlen=16, timeout_s=60)
+    if algo == "signround":
+        job.update(iters=8, batch_size=2)
+    return job
+
+
 @pytest.fixture(scope="module")
 def controls(checkpoints, tmp_path_factory):
+    """Uninterrupted runs of every job the tests kill, in one pair of processes (the same
+    ``quantize_model`` the CLI calls, one thread per rank as under the harness's torchrun)."""
     root = tmp_path_factory.mktemp("controls")
-    out = {}
-    for arch, algo in [("llama", "rtn"), ("llama", "gptq"), ("qwen3_moe", "rtn"), ("qwen3_moe", "gptq"),
-                       ("llama", "signround")]:
-        d = root / f"{arch}-{algo}"
-        res = run_torchrun(_args(checkpoints[arch], d, algo), 2, timeout=300)
-        assert res.returncode == 0, res.output[-3000:]
-        out[arch, algo] = d
+    jobs = [("llama", "rtn"), ("llama", "gptq"), ("qwen3_moe", "rtn"), ("qwen3_moe", "gptq"), ("llama", "signround")]
+    out = {(arch, algo): root / f"{arch}-{algo}" for arch, algo in jobs}
+    errors = run_ranks(quantize_jobs, 2, [_config(checkpoints[a], out[a, g], g) for a, g in jobs], timeout=600)[0]
+    assert errors == [None] * len(jobs), errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def partial(checkpoints, tmp_path_factory):
+    """A GPTQ run of the Llama killed after rank 0 wrote block 1's shard (copied by the tests that need one)."""
+    out = tmp_path_factory.mktemp("partial") / "o"
+    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300,
+                       env={"SQ_FAULT": "after-shard-write:0:1"})
+    assert res.returncode != 0 and (out / ".sq-run" / "run.json").exists()
     return out
 
 
@@ -131,60 +150,44 @@ def test_finished_output_is_never_touched(checkpoints, controls):
     assert {p.name: p.stat().st_mtime_ns for p in done.iterdir()} == before
 
 
-def _partial_run(checkpoints, out, algo="gptq"):
-    res = run_torchrun(_args(checkpoints["llama"], out, algo), 2, timeout=300,
-                       env={"SQ_FAULT": "after-shard-write:0:1"})
-    assert res.returncode != 0 and (out / ".sq-run" / "run.json").exists()
+def _partial_run(partial, out):
+    shutil.copytree(partial, out)
 
 
-def _try_configs(rank, world, jobs):
-    from sq.errors import SqError
-    from sq.quant.blockwise import PTQConfig, quantize_model
-
-    out = []
-    for job in jobs:
-        try:
-            quantize_model(PTQConfig(**job))
-            out.append(None)
-        except SqError as e:
-            out.append(str(e))
-    return out
-
-
-def test_signature_changes_are_refused_by_name(checkpoints, tmp_path):
+def test_signature_changes_are_refused_by_name(checkpoints, partial, tmp_path):
     out = tmp_path / "o"
-    _partial_run(checkpoints, out)
+    _partial_run(partial, out)
     manifest = (out / ".sq-run" / "rank-00000" / "manifest.json").read_text()
     base = dict(model=str(checkpoints["llama"]), output=str(out), algo="gptq", group_size=GS, nsamples=4, seqlen=16)
     changes = {"args.group_size": dict(group_size=32), "args.nsamples": dict(nsamples=6),
                "args.seqlen": dict(seqlen=8), "args.seed": dict(seed=1), "args.scheme": dict(scheme="W8A16"),
                "args.ignore": dict(ignore=("down_proj",)), "args.algo": dict(algo="rtn")}
-    msgs = run_ranks(_try_configs, 2, [{**base, **c} for c in changes.values()], timeout=300)[0]
+    msgs = run_ranks(quantize_jobs, 2, [{**base, **c} for c in changes.values()], timeout=300)[0]
     for field, msg in zip(changes, msgs):
         assert msg is not None and field in msg and "--resume never" in msg, (field, msg)
     # a different world size is refused too
-    world1 = run_ranks(_try_configs, 1, [base], timeout=120)[0][0]
+    world1 = run_ranks(quantize_jobs, 1, [base], timeout=120)[0][0]
     assert world1 is not None and "world_size" in world1
     # the source checkpoint changed on disk
     shard = sorted(Path(checkpoints["llama"]).glob("*.safetensors"))[0]
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     try:
-        msg = run_ranks(_try_configs, 2, [base], timeout=120)[0][0]
+        msg = run_ranks(quantize_jobs, 2, [base], timeout=120)[0][0]
         assert msg is not None and f"source.files.{shard.name}" in msg
     finally:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (out / ".sq-run" / "rank-00000" / "manifest.json").read_text() == manifest  # nothing touched
 
 
-def test_resume_never_require_and_corrupt_state(checkpoints, controls, tmp_path):
+def test_resume_never_require_and_corrupt_state(checkpoints, controls, partial, tmp_path):
     base = dict(model=str(checkpoints["llama"]), algo="gptq", group_size=GS, nsamples=4, seqlen=16)
     fresh = tmp_path / "fresh"
-    msg = run_ranks(_try_configs, 2, [dict(output=str(fresh), resume="require", **base)], timeout=120)[0][0]
+    msg = run_ranks(quantize_jobs, 2, [dict(output=str(fresh), resume="require", **base)], timeout=120)[0][0]
     assert msg is not None and "holds no run to resume" in msg
 
     out = tmp_path / "o"
-    _partial_run(checkpoints, out)
+    _partial_run(partial, out)
     # corrupt the chain cache and a finished shard: both are detected and their blocks redone
     chain = next((out / ".sq-run" / "rank-00001").glob("chain-*.safetensors"))
     chain.write_bytes(chain.read_bytes()[:-7] + b"garbage")
@@ -194,7 +197,7 @@ def test_resume_never_require_and_corrupt_state(checkpoints, controls, tmp_path)
     assert _same_bits(controls["llama", "gptq"], out) == []
 
     again = tmp_path / "again"
-    _partial_run(checkpoints, again)
+    _partial_run(partial, again)
     (again / ".sq-run" / "rank-00000" / "manifest.json").write_text("{not json")
     res = run_torchrun(_args(checkpoints["llama"], again, "gptq") + ["--resume", "never"], 2, timeout=300)
     assert res.returncode == 0, res.output[-3000:]
@@ -202,11 +205,11 @@ def test_resume_never_require_and_corrupt_state(checkpoints, controls, tmp_path)
     assert _same_bits(controls["llama", "gptq"], again) == []
 
 
-def test_lock_refuses_a_live_run_and_takes_over_a_dead_one(checkpoints, tmp_path):
+def test_lock_refuses_a_live_run_and_takes_over_a_dead_one(checkpoints, partial, tmp_path):
     import socket
 
     out = tmp_path / "o"
-    _partial_run(checkpoints, out)
+    _partial_run(partial, out)
     lock = out / ".sq-run" / "lock"
     lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))  # alive: pytest's parent
     res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=120)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from quant_ref import load_any, read_tensors
+from quant_ref import load_any, quantize_jobs, read_tensors
 from sq.quant import rtn
 from sq.quant.schemes import get_scheme
 from sq.quant.signround import tuned_qdq, tuned_quantize
@@ -56,20 +56,6 @@ def test_exported_weights_are_the_tuned_forward_and_gradients_flow(name):
     ((fwd - w) ** 2).sum().backward()
     for t in (v, a, b):
         assert t.grad is not None and t.grad.abs().sum() > 0
-
-
-def _jobs(rank, world, jobs):
-    from sq.errors import SqError
-    from sq.quant.blockwise import PTQConfig, quantize_model
-
-    out = []
-    for job in jobs:
-        try:
-            quantize_model(PTQConfig(**job))
-            out.append(None)
-        except SqError as e:
-            out.append(str(e))
-    return out
 
 
 def _decompressed_reference(src: Path, out: Path):
@@ -110,8 +96,8 @@ def runs(checkpoints, tmp_path_factory):
            # refusals, before anything is written
            dict(model=str(checkpoints["llama"]), output=str(root / "no-ep"), ep=2, **TUNE),
            dict(model=str(checkpoints["llama"]), output=str(root / "no-fp8"), scheme="FP8_DYNAMIC", **TUNE)]
-    errors = run_ranks(_jobs, 2, two, timeout=600)[0]
-    one = run_ranks(_jobs, 1, [dict(model=str(checkpoints["llama"]), output=str(root / "llama-w1"), **TUNE)],
+    errors = run_ranks(quantize_jobs, 2, two, timeout=600)[0]
+    one = run_ranks(quantize_jobs, 1, [dict(model=str(checkpoints["llama"]), output=str(root / "llama-w1"), **TUNE)],
                     timeout=600)[0]
     return root, dict(zip(["llama-w2", "moe-w2", "llama-w2-rtn", "no-ep", "no-fp8"], errors)), one[0]
 
