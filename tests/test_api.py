@@ -52,7 +52,8 @@ def _train_then_quantize(rank, world, out, tok_dir, algo):
     trained = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(7))  # same on every rank
     report = sq.quantize(model, out, algo=algo, group_size=GS, calibration=calib,
-                         tokenizer=AutoTokenizer.from_pretrained(tok_dir))
+                         tokenizer=AutoTokenizer.from_pretrained(tok_dir),
+                         **({"iters": 20, "batch_size": 4} if algo == "signround" else {}))
     assert model.training, "the caller's train/eval mode is restored"
     quantized = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     if rank == 0:  # tensors go through files: the harness's queue carries plain objects
@@ -64,7 +65,7 @@ def _train_then_quantize(rank, world, out, tok_dir, algo):
     return {"losses": losses, "report": report}
 
 
-@pytest.mark.parametrize("algo", ["gptq", "rtn"])
+@pytest.mark.parametrize("algo", ["gptq", "rtn", "signround"])
 def test_train_quantize_export_2_ranks(checkpoints, tmp_path, algo):
     from transformers import AutoModelForCausalLM
 

@@ -22,7 +22,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
              group_size: int = 128, calibration: torch.Tensor | None = None, tokenizer=None,
              dataset: str = "builtin:pydoc", nsamples: int = 128, seqlen: int = 512, seed: int = 0,
              ignore: tuple[str, ...] = (), recipe: str | Path | None = None, actorder: bool = True,
-             resume: str = "never") -> dict:
+             iters: int = 200, lr: float | None = None, batch_size: int = 8, resume: str = "never") -> dict:
     """Quantize ``model`` in place (its weights become the dequantized values) and write a
     compressed-tensors checkpoint to ``output`` that transformers and vLLM load.
 
@@ -32,7 +32,8 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
         output: a new or empty folder.
         calibration: token ids ``[nsamples, seqlen]`` (the same on every rank; each rank uses rows
             ``rank::world``); default: ``nsamples`` windows of ``dataset`` cut with ``tokenizer``.
-        tokenizer: saved beside the weights; needed when ``calibration`` is not given for GPTQ.
+        tokenizer: saved beside the weights; needed when ``calibration`` is not given for GPTQ / SignRound.
+        iters, lr, batch_size: SignRound's steps per block, step size and samples per step (docs/signround.md).
         resume: ``never`` by default -- an in-memory model cannot prove its weights are those of a
             previous attempt; ``auto`` resumes a folder whose run signature matches (same
             architecture, shapes, arguments and calibration data).
@@ -42,7 +43,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     """
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
-    from sq.quant.blockwise import PTQConfig, _run
+    from sq.quant.blockwise import CALIBRATED, PTQConfig, _run
     from sq.quant.recipe import make_assigner
     from sq.quant.weights import ModelWeights
     from sq.resume import sha256_bytes
@@ -53,7 +54,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     cfg = PTQConfig(model=f"<in-memory {type(model).__name__}>", output=str(output), scheme=scheme, algo=algo,
                     group_size=group_size, nsamples=nsamples, seqlen=seqlen, seed=seed, dataset=dataset,
                     ignore=tuple(ignore), recipe=None if recipe is None else str(recipe), actorder=actorder,
-                    resume=resume)
+                    iters=iters, lr=lr, batch_size=batch_size, resume=resume)
     problems = cfg.problems()
     assigner = weights = None
     if not problems:
@@ -63,7 +64,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
         except SqError as e:
             problems += e.problems
     windows, data = None, {"spec": None, "sha256": None}
-    if not problems and algo == "gptq":
+    if not problems and algo in CALIBRATED:
         if calibration is not None:
             windows = calibration
             if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
@@ -77,7 +78,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
                                           dataset="tensor")
                 data = {"spec": "tensor", "sha256": sha256_bytes(windows.contiguous().cpu().numpy().tobytes())}
         elif tokenizer is None:
-            problems.append("GPTQ needs calibration data: pass calibration=token ids, or tokenizer= (and dataset=)")
+            problems.append(f"{algo} needs calibration data: pass calibration=token ids, or tokenizer= (and dataset=)")
         else:
             try:
                 text = read_corpus_dist(dataset).text(tokenizer)

@@ -309,14 +309,27 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
 
 
 class unsharded:
-    """Keep ``block``'s FSDP2 units (the block and any sub-unit) unsharded across forwards and backwards."""
+    """Keep ``block``'s FSDP2 units (the block and any sub-unit) unsharded across forwards and backwards.
+
+    Each unit's own resharding settings (a training framework's choice, under ``sq.quantize``)
+    are read before and put back after.
+    """
 
     def __init__(self, block: nn.Module):
         from torch.distributed.fsdp import FSDPModule
 
         self.units = [m for m in block.modules() if isinstance(m, FSDPModule)]
 
+    @staticmethod
+    def _settings(m) -> tuple[bool, bool]:
+        try:  # FSDP2 keeps them on the unit's parameter group (no public getter in torch 2.13)
+            group = m._get_fsdp_state()._fsdp_param_group
+            return group.post_forward_mesh_info is not None, bool(group.reshard_after_backward)
+        except AttributeError:
+            return True, True
+
     def __enter__(self):
+        self.saved = [self._settings(m) for m in self.units]
         for m in self.units:
             m.set_reshard_after_forward(False, recurse=False)
             m.set_reshard_after_backward(False, recurse=False)
@@ -324,7 +337,7 @@ class unsharded:
         return self
 
     def __exit__(self, *exc):
-        for m in self.units:
-            m.set_reshard_after_forward(True, recurse=False)
-            m.set_reshard_after_backward(True, recurse=False)
+        for m, (fwd, bwd) in zip(self.units, self.saved):
+            m.set_reshard_after_forward(fwd, recurse=False)
+            m.set_reshard_after_backward(bwd, recurse=False)
             m.reshard()
