@@ -45,6 +45,6 @@ def test_raising_rank_fails_with_traceback():
 def test_hanging_rank_times_out():
     start = time.monotonic()
     # rank 1 hangs; rank 0 normally answers first, but on a loaded machine it may still be importing
-    with pytest.raises(RanksTimedOut, match=r"rank\(s\) \[(0, )?1\] did not finish within 20s"):
-        run_ranks(_hang_on_one, 2, timeout=20)
+    with pytest.raises(RanksTimedOut, match=r"rank\(s\) \[(0, )?1\] did not finish within 10s"):
+        run_ranks(_hang_on_one, 2, timeout=10)
     assert time.monotonic() - start < 50
