@@ -19,10 +19,11 @@ full-precision block's output on the full-precision chain's inputs; the paramete
 gradient steps (``lr`` defaults to ``1 / iters``, decaying linearly to 0) and the parameters of
 the best loss seen are kept.
 
-Distribution.  Calibration sample ``j`` lives on rank ``j % world``.  Every step draws one global
-batch (the same on every rank: seeded by the seed, the block and the step); each rank runs its
-own samples of it and normalises by the global batch, so the gradients summed over ranks are the
-gradient of the whole batch, whatever the world size.  Each rank owns the tuned parameters of
+Distribution.  Calibration sample ``j`` lives on rank ``j % world``.  Every step each rank draws
+its share of the global batch (``batch_size / world`` samples) from its own samples, with a
+generator seeded by the seed, the block and the rank, runs them and normalises by the global
+batch, so the gradients summed over ranks are the gradient of the whole (stratified) batch and
+every rank does the same work.  Each rank owns the tuned parameters of
 the dim-0 shard FSDP2 gave it (its rows of a Linear, its experts of a fused expert tensor): it
 quantizes only those, and all-gathers the quantized weight for the forward, whose backward sums
 every rank's gradient for each owner's rows (:class:`_GatherDim0`).  Every rank takes the same
@@ -188,8 +189,8 @@ class Slot:
     def params(self) -> list[Tensor]:
         return [self.v, self.alpha, self.beta]
 
-    def full_qdq(self) -> Tensor:
-        local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme).to(self.local.dtype)
+    def full_qdq(self, dtype: torch.dtype | None = None) -> Tensor:
+        local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme).to(dtype or self.local.dtype)
         return _GatherDim0.apply(local, self.counts, dist.get_rank())
 
     def keep_best(self) -> None:
@@ -216,21 +217,49 @@ class Slot:
 
 
 class _Swapped:
-    """``module.<pname>`` reads a given tensor instead of its parameter while inside."""
+    """``module.<name>`` reads a given tensor instead of its parameter while inside."""
 
-    def __init__(self, slots: list[Slot], tensors: list[Tensor]):
-        self.pairs = list(zip(slots, tensors))
+    def __init__(self, pairs: list[tuple[nn.Module, str, Tensor]]):
+        self.pairs = pairs
 
     def __enter__(self):
         self.saved = []
-        for s, t in self.pairs:
-            self.saved.append(s.module._parameters.pop(s.pname))
-            s.module.__dict__[s.pname] = t
+        for m, name, t in self.pairs:
+            self.saved.append(m._parameters.pop(name))
+            m.__dict__[name] = t
 
     def __exit__(self, *exc):
-        for (s, _), p in zip(self.pairs, self.saved):
-            del s.module.__dict__[s.pname]
-            s.module._parameters[s.pname] = p
+        for (m, name, _), p in zip(self.pairs, self.saved):
+            del m.__dict__[name]
+            m._parameters[name] = p
+
+
+def compute_dtype(block: nn.Module, device: torch.device) -> torch.dtype | None:
+    """float32 on CPU when the block is in a 16-bit dtype (a bf16 SmolLM2 block's forward + backward
+    is ~2x faster in float32 on a CPU without AMX); ``None`` (the block's own dtype) elsewhere."""
+    if device.type != "cpu":
+        return None
+    dtypes = {p.dtype for p in block.parameters() if p.is_floating_point()}
+    return torch.float32 if dtypes & {torch.bfloat16, torch.float16} else None
+
+
+def _upcast_pairs(block: nn.Module, slots: list[Slot], dtype: torch.dtype) -> list[tuple[nn.Module, str, Tensor]]:
+    """Every other floating parameter of the (unsharded) block as a ``dtype`` copy."""
+    tuned = {(id(s.module), s.pname) for s in slots}
+    out = []
+    for m in block.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != dtype and (id(m), name) not in tuned:
+                out.append((m, name, p.detach().to(dtype)))
+    return out
+
+
+def _cast(v, dtype):
+    if isinstance(v, Tensor) and v.is_floating_point():
+        return v.to(dtype)
+    if isinstance(v, tuple):
+        return tuple(_cast(x, dtype) for x in v)
+    return v
 
 
 def _select(inputs: list[tuple[Tensor, dict]], rows: list[int]) -> tuple[Tensor, dict]:
@@ -261,30 +290,37 @@ def _out(y) -> Tensor:
 
 
 def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[Tensor], nsamples: int,
-               cfg: SignRoundConfig, seed: int, block_index: int) -> dict:
+               cfg: SignRoundConfig, seed: int, block_index: int, dtype: torch.dtype | None = None) -> dict:
     """Tune every slot of ``block`` in place (``slot.best``); returns ``{"loss_first", "loss_best"}``.
 
     ``q_inputs`` are this rank's quantized-chain inputs ``[(hidden, kwargs), ...]`` (its samples
     ``rank::world`` in order) and ``fp_outputs`` the full-precision block's outputs for the
     same samples.  Collective: every rank calls it with the same slots in the same order.  The
-    block's FSDP2 units must be unsharded (the caller's job: :func:`unsharded`).
+    block's FSDP2 units must be unsharded (the caller's job: :func:`unsharded`).  ``dtype``: run the
+    tuning forward and backward in this dtype (every other parameter and the inputs upcast for the
+    duration; see :func:`compute_dtype`); ``None``: the block's own.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     fp_rows = torch.cat(fp_outputs)
     bs = min(cfg.batch_size, nsamples)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + block_index)
+    # this rank's share of each step's batch, drawn from its own samples: every rank does the same work
+    n_local = fp_rows.shape[0]
+    share = min(bs // world + (rank < bs % world), n_local)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + block_index) * 4099 + rank)
     lr0 = cfg.step_size
     best, first = float("inf"), None
     numel_per_sample = fp_rows[0].numel()
+    others = _upcast_pairs(block, slots, dtype) if dtype is not None else []
     for it in range(cfg.iters):
-        batch = torch.randperm(nsamples, generator=gen)[:bs].sort().values.tolist()
-        mine = [j // world for j in batch if j % world == rank]
+        mine = torch.randperm(n_local, generator=gen)[:share].sort().values.tolist()
         real = bool(mine)
         rows = mine if real else [0]
         with torch.enable_grad():
-            weights = [s.full_qdq() for s in slots]
+            weights = [(s.module, s.pname, s.full_qdq(dtype)) for s in slots]
             hidden, kw = _select(q_inputs, rows)
-            with _Swapped(slots, weights):
+            if dtype is not None:
+                hidden, kw = hidden.to(dtype), {k: _cast(v, dtype) for k, v in kw.items()}
+            with _Swapped(weights + others):
                 y = _out(block.forward(hidden, **kw))
             diff = (y.float() - fp_rows[rows].float())
             loss = diff.pow(2).sum() / (bs * numel_per_sample)
