@@ -43,7 +43,7 @@ from sq.quant.experts import (FUSED, ExpertCalibration, export_slots, gather_row
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.quant.recipe import Assigner, make_assigner, scheme_tag
 from sq.quant.schemes import QuantScheme, check_group_size
-from sq.quant.signround import SignRoundConfig, Slot, compute_dtype, dim0_counts, tune_block, unsharded
+from sq.quant.signround import SignRoundConfig, Slot, dim0_counts, tune_block, unsharded
 from sq.quant.weights import CheckpointWeights
 from sq.report import LOG_DIR, add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
 from sq.resume import RUN_DIR, Fault, RunState, maybe_die, sha256_bytes, signature_diff
@@ -630,7 +630,7 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
             if slots and cfg.iters:
                 with unsharded(block):
                     stats.tuning[prefix] = tune_block(block, list(slots.values()), inputs, fp_out, cfg.nsamples,
-                                                      cfg.signround, cfg.seed, b, compute_dtype(block, device))
+                                                      cfg.signround, cfg.seed, b)
             maybe_die(fault, "calib", rank, b)
             phase["tune"] = time.perf_counter() - t
 

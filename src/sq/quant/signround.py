@@ -189,8 +189,8 @@ class Slot:
     def params(self) -> list[Tensor]:
         return [self.v, self.alpha, self.beta]
 
-    def full_qdq(self, dtype: torch.dtype | None = None) -> Tensor:
-        local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme).to(dtype or self.local.dtype)
+    def full_qdq(self) -> Tensor:
+        local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme).to(self.local.dtype)
         return _GatherDim0.apply(local, self.counts, dist.get_rank())
 
     def keep_best(self) -> None:
@@ -234,34 +234,6 @@ class _Swapped:
             m._parameters[name] = p
 
 
-def compute_dtype(block: nn.Module, device: torch.device) -> torch.dtype | None:
-    """float32 on CPU when the block is in a 16-bit dtype (a bf16 SmolLM2 block's forward + backward
-    is ~2x faster in float32 on a CPU without AMX); ``None`` (the block's own dtype) elsewhere."""
-    if device.type != "cpu":
-        return None
-    dtypes = {p.dtype for p in block.parameters() if p.is_floating_point()}
-    return torch.float32 if dtypes & {torch.bfloat16, torch.float16} else None
-
-
-def _upcast_pairs(block: nn.Module, slots: list[Slot], dtype: torch.dtype) -> list[tuple[nn.Module, str, Tensor]]:
-    """Every other floating parameter of the (unsharded) block as a ``dtype`` copy."""
-    tuned = {(id(s.module), s.pname) for s in slots}
-    out = []
-    for m in block.modules():
-        for name, p in m._parameters.items():
-            if p is not None and p.is_floating_point() and p.dtype != dtype and (id(m), name) not in tuned:
-                out.append((m, name, p.detach().to(dtype)))
-    return out
-
-
-def _cast(v, dtype):
-    if isinstance(v, Tensor) and v.is_floating_point():
-        return v.to(dtype)
-    if isinstance(v, tuple):
-        return tuple(_cast(x, dtype) for x in v)
-    return v
-
-
 def _select(inputs: list[tuple[Tensor, dict]], rows: list[int]) -> tuple[Tensor, dict]:
     """Local samples ``rows`` (indices into the concatenated local batches) as one batch."""
     sizes = [h.shape[0] for h, _ in inputs]
@@ -290,15 +262,13 @@ def _out(y) -> Tensor:
 
 
 def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[Tensor], nsamples: int,
-               cfg: SignRoundConfig, seed: int, block_index: int, dtype: torch.dtype | None = None) -> dict:
+               cfg: SignRoundConfig, seed: int, block_index: int) -> dict:
     """Tune every slot of ``block`` in place (``slot.best``); returns ``{"loss_first", "loss_best"}``.
 
     ``q_inputs`` are this rank's quantized-chain inputs ``[(hidden, kwargs), ...]`` (its samples
     ``rank::world`` in order) and ``fp_outputs`` the full-precision block's outputs for the
     same samples.  Collective: every rank calls it with the same slots in the same order.  The
-    block's FSDP2 units must be unsharded (the caller's job: :func:`unsharded`).  ``dtype``: run the
-    tuning forward and backward in this dtype (every other parameter and the inputs upcast for the
-    duration; see :func:`compute_dtype`); ``None``: the block's own.
+    block's FSDP2 units must be unsharded (the caller's job: :func:`unsharded`).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     fp_rows = torch.cat(fp_outputs)
@@ -310,17 +280,14 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
     lr0 = cfg.step_size
     best, first = float("inf"), None
     numel_per_sample = fp_rows[0].numel()
-    others = _upcast_pairs(block, slots, dtype) if dtype is not None else []
     for it in range(cfg.iters):
         mine = torch.randperm(n_local, generator=gen)[:share].sort().values.tolist()
         real = bool(mine)
         rows = mine if real else [0]
         with torch.enable_grad():
-            weights = [(s.module, s.pname, s.full_qdq(dtype)) for s in slots]
+            weights = [(s.module, s.pname, s.full_qdq()) for s in slots]
             hidden, kw = _select(q_inputs, rows)
-            if dtype is not None:
-                hidden, kw = hidden.to(dtype), {k: _cast(v, dtype) for k, v in kw.items()}
-            with _Swapped(weights + others):
+            with _Swapped(weights):
                 y = _out(block.forward(hidden, **kw))
             diff = (y.float() - fp_rows[rows].float())
             loss = diff.pow(2).sum() / (bs * numel_per_sample)
