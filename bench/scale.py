@@ -348,7 +348,7 @@ def _print_job(rec: dict) -> None:
 
 def plan(name: str, out_json: Path | None = None) -> dict:
     """Time sq's planning (one process, meta model): skeleton, header scan, key map, overlap check;
-    then the overlap check alone against a sort-and-sweep prototype on the same pieces."""
+    then the overlap check alone: the old all-pairs one against sq's sweep, on the same pieces."""
     import cProfile
     import io as _io
     import pstats
@@ -382,16 +382,17 @@ def plan(name: str, out_json: Path | None = None) -> dict:
     times.update(build_skeleton=t1 - t0, scan_checkpoint=t2 - t1, plan_load=t3 - t2)
     n_pieces = sum(len(v) for v in p.keymap.pieces.values())
     biggest = max(len(v) for v in p.keymap.pieces.values())
-    # the check alone, and the prototype fix on the same pieces (must report the same problems)
+    # the overlap check alone: the old all-pairs one against sq's sweep (same problems; shape checks are
+    # only in sq's, and report nothing on a valid checkpoint)
     km = p.keymap
     km.problems = []
     t = time.perf_counter()
-    orig_check(km, p.targets, src.tensors)
+    check_pieces_pairwise(km, p.targets, src.tensors)
     t_pair = time.perf_counter() - t
     probs_pair = list(km.problems)
     km.problems = []
     t = time.perf_counter()
-    check_pieces_sweep(km, p.targets, src.tensors)
+    orig_check(km, p.targets, src.tensors)
     t_sweep = time.perf_counter() - t
     same = probs_pair == km.problems
     # sensitivity: an injected overlap must be found by both
@@ -399,7 +400,7 @@ def plan(name: str, out_json: Path | None = None) -> dict:
     bad = dict(km.pieces)
     bad[tgt] = list(km.pieces[tgt]) + [km.pieces[tgt][len(km.pieces[tgt]) // 2]]
     found = []
-    for fn in (orig_check, check_pieces_sweep):
+    for fn in (check_pieces_pairwise, orig_check):
         k2 = K.KeyMap(pieces=bad)
         fn(k2, p.targets, src.tensors)
         found.append(len(k2.problems))
@@ -427,41 +428,16 @@ def plan(name: str, out_json: Path | None = None) -> dict:
     return rec
 
 
-def check_pieces_sweep(km, targets, tensors) -> None:
-    """PROTOTYPE of the proposed fix for ``sq.load.keymap._check_pieces`` (bench only).
-
-    Same checks and messages; the overlap test sweeps along dim 0: boxes sorted by their start on
-    dim 0, each compared only with the boxes still open there (for stacked experts: the 2-3
-    pieces of the same expert), so n pieces cost O(n log n + n k) instead of O(n^2).
-    """
-    import heapq
-
+def check_pieces_pairwise(km, targets, tensors) -> None:
+    """The overlap check as it was before the sweep in ``sq.load.keymap._check_pieces`` (all pairs,
+    O(n^2)); kept here as the timing and equality reference."""
     for t, ps in km.pieces.items():
-        shape = targets[t]
-        for p in ps:
-            src = tuple(tensors[p.ckpt_key].shape)
-            if len(p.lengths) != len(shape) or any(o + n > s for o, n, s in zip(p.offsets, p.lengths, shape)):
-                where = "" if all(o == 0 for o in p.offsets) else f" at offset {list(p.offsets)}"
-                km.problems.append(
-                    f"shape mismatch: checkpoint {p.ckpt_key!r} is {list(src)} ({tensors[p.ckpt_key].file}) but "
-                    f"model {t!r} is {list(shape)}{where}")
-            elif p.stack_dim is None and len(ps) == 1 and tuple(p.lengths) != shape:
-                km.problems.append(
-                    f"shape mismatch: checkpoint {p.ckpt_key!r} is {list(src)} ({tensors[p.ckpt_key].file}) but "
-                    f"model {t!r} is {list(shape)}")
         boxes = sorted(ps, key=lambda p: p.offsets)
-        open_: list[tuple[int, int, object]] = []  # (end on dim 0, order, piece)
-        found = []
-        for i, b in enumerate(boxes):
-            while open_ and open_[0][0] <= b.offsets[0]:
-                heapq.heappop(open_)
-            for _, j, a in open_:
+        for a_i, a in enumerate(boxes):
+            for b in boxes[a_i + 1:]:
                 if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in
                        zip(a.offsets, a.lengths, b.offsets, b.lengths)):
-                    found.append((j, i, a, b))
-            heapq.heappush(open_, (b.offsets[0] + b.lengths[0], i, b))
-        for _, _, a, b in sorted(found, key=lambda x: (x[0], x[1])):
-            km.problems.append(f"{a.ckpt_key!r} and {b.ckpt_key!r} both fill the same part of {t!r}")
+                    km.problems.append(f"{a.ckpt_key!r} and {b.ckpt_key!r} both fill the same part of {t!r}")
 
 
 def ptq_worker(argv: list[str]) -> None:

@@ -100,3 +100,27 @@ def test_suffix_rule_ambiguous_and_digit_guard(checkpoints, tmp_path):
     # "extra.norm.weight" -> suffix "norm.weight" is unique (model.norm.weight) but already exactly filled
     assert "extra.norm.weight" in km.carried
     assert [p.ckpt_key for p in km.pieces["model.norm.weight"]] == ["model.norm.weight"]
+
+
+def test_overlap_check_finds_every_overlapping_pair_and_nothing_else():
+    """The sweep in ``_check_pieces`` against the all-pairs definition, on stacked experts with gaps,
+    a duplicated expert, a box straddling two experts and split rows."""
+    import itertools
+    import random
+
+    from sq.load.keymap import KeyMap, Piece, _check_pieces
+    from sq.load.source import TensorInfo
+
+    target, shape = "experts.gate_up_proj", (64, 8, 4)
+    pieces = [Piece(f"e{e}.{h}", target, (e, 4 * h, 0), (1, 4, 4), stack_dim=0) for e in range(64) for h in (0, 1)]
+    pieces += [Piece("dup", target, (17, 0, 0), (1, 4, 4), stack_dim=0),  # = e17.0
+               Piece("straddle", target, (40, 2, 0), (2, 4, 4)),  # e40.0, e40.1, e41.0, e41.1
+               Piece("tail", target, (63, 6, 2), (1, 2, 2))]  # e63.1
+    random.Random(0).shuffle(pieces)
+    tensors = {p.ckpt_key: TensorInfo(p.ckpt_key, "f.safetensors", torch.float32, tuple(p.lengths), (0, 0)) for p in pieces}
+    km = KeyMap(pieces={target: pieces})
+    _check_pieces(km, {target: shape}, tensors)
+    found = {frozenset(m.split("'")[1::2][:2]) for m in km.problems if "both fill the same part" in m}
+    expected = {frozenset((a.ckpt_key, b.ckpt_key)) for a, b in itertools.combinations(pieces, 2)
+                if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths))}
+    assert found == expected and len(expected) == 6, (found, expected)

@@ -19,6 +19,8 @@ Keys that no rule maps are *carried over* (copied raw by the exporter).
 
 from __future__ import annotations
 
+import heapq
+
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -280,12 +282,22 @@ def _check_pieces(km: KeyMap, targets: dict[str, tuple[int, ...]], tensors: dict
                 km.problems.append(
                     f"shape mismatch: checkpoint {p.ckpt_key!r} is {list(src)} ({tensors[p.ckpt_key].file}) but "
                     f"model {t!r} is {list(shape)}")
+        # overlaps: a sweep along dim 0 compares each box only with the boxes still open there (for
+        # stacked experts the 2-3 pieces of one expert), O(n log n) where all pairs were O(n^2): 9.6 s
+        # -> 0.1 s of planning for 50 layers x 256 experts (docs/benchmarks.md, Scale)
         boxes = sorted(ps, key=lambda p: p.offsets)
-        for a_i, a in enumerate(boxes):
-            for b in boxes[a_i + 1:]:
+        open_: list[tuple[int, int, Piece]] = []  # (end on dim 0, order, piece)
+        found = []
+        for i, b in enumerate(boxes):
+            while open_ and open_[0][0] <= b.offsets[0]:
+                heapq.heappop(open_)
+            for _, j, a in open_:
                 if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in
                        zip(a.offsets, a.lengths, b.offsets, b.lengths)):
-                    km.problems.append(f"{a.ckpt_key!r} and {b.ckpt_key!r} both fill the same part of {t!r}")
+                    found.append((j, i, a, b))
+            heapq.heappush(open_, (b.offsets[0] + b.lengths[0], i, b))
+        for _, _, a, b in sorted(found, key=lambda x: (x[0], x[1])):
+            km.problems.append(f"{a.ckpt_key!r} and {b.ckpt_key!r} both fill the same part of {t!r}")
 
 
 def numel(shape) -> int:
