@@ -157,13 +157,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _row_counts(out_rows: int, world: int) -> list[int]:
-    """Rows each rank holds under FSDP2's dim-0 split (torch.chunk, empty tail chunks)."""
-    chunks = torch.arange(out_rows).chunk(world)
-    counts = [len(c) for c in chunks]
-    return counts + [0] * (world - len(counts))
-
-
 def _gather_rows(t: torch.Tensor | None, rows: list[int], dst: int, like_cols: int, dtype: torch.dtype):
     """Gather ``t [rows_r, cols]`` from every rank onto ``dst`` (as bytes: any dtype, gloo too)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -689,7 +682,7 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         for lin in linears:
             q, scale, zp, _ = results[lin.name]
             out_f, in_f = lin.module.out_features, lin.module.in_features
-            rows = _row_counts(out_f, world)
+            rows = dim0_counts(out_f, world)
             fq = _gather_rows(q, rows, lin.owner, in_f, q.dtype)
             fs = _gather_rows(scale, rows, lin.owner, scale.shape[1], scale.dtype)
             fz = _gather_rows(zp, rows, lin.owner, zp.shape[1], zp.dtype) if zp is not None else None
