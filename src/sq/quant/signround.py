@@ -234,27 +234,18 @@ class _Swapped:
             m._parameters[name] = p
 
 
-def _select(inputs: list[tuple[Tensor, dict]], rows: list[int]) -> tuple[Tensor, dict]:
-    """Local samples ``rows`` (indices into the concatenated local batches) as one batch."""
-    sizes = [h.shape[0] for h, _ in inputs]
-    picks, kw0 = [], inputs[0][1]
-    for r in rows:
-        i = 0
-        while r >= sizes[i]:
-            r -= sizes[i]
-            i += 1
-        picks.append(inputs[i][0][r:r + 1])
-    hidden = torch.cat(picks)
-    n0 = sizes[0]
+def _batch_kwargs(kw: dict, micro: int, n: int) -> dict:
+    """A local batch's forward kwargs for ``n`` samples: tensors batched like its ``micro`` samples take
+    their first row (the windows share positions; only shapes differ)."""
 
     def batch(v):
-        if isinstance(v, Tensor) and v.ndim and v.shape[0] == n0 and n0 > 1:
-            return v[:1].expand(len(rows), *v.shape[1:])  # windows share positions; only shapes differ
+        if isinstance(v, Tensor) and v.ndim and v.shape[0] == micro and micro > 1:
+            return v[:1].expand(n, *v.shape[1:])
         if isinstance(v, tuple):
             return tuple(batch(x) for x in v)
         return v
 
-    return hidden, {k: batch(v) for k, v in kw0.items()}
+    return {k: batch(v) for k, v in kw.items()}
 
 
 def _out(y) -> Tensor:
@@ -272,6 +263,8 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     fp_rows = torch.cat(fp_outputs)
+    q_rows = torch.cat([h for h, _ in q_inputs])  # the same samples, in the same order
+    kw0, micro = q_inputs[0][1], q_inputs[0][0].shape[0]
     bs = min(cfg.batch_size, nsamples)
     # this rank's share of each step's batch, drawn from its own samples: every rank does the same work
     n_local = fp_rows.shape[0]
@@ -286,9 +279,8 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
         rows = mine if real else [0]
         with torch.enable_grad():
             weights = [(s.module, s.pname, s.full_qdq()) for s in slots]
-            hidden, kw = _select(q_inputs, rows)
             with _Swapped(weights):
-                y = _out(block.forward(hidden, **kw))
+                y = _out(block.forward(q_rows[rows], **_batch_kwargs(kw0, micro, len(rows))))
             diff = (y.float() - fp_rows[rows].float())
             loss = diff.pow(2).sum() / (bs * numel_per_sample)
             if not real:
