@@ -1,9 +1,16 @@
-"""Multi-rank test harness: run a function on N gloo ranks in spawned processes.
+"""Multi-rank test harness: run a function on N gloo ranks in fresh processes.
 
 Each rank joins a process group through a FileStore in a fresh temp folder, so tests
 running side by side never fight over ports.  The harness returns every rank's result,
 fails with the failing rank's traceback, and kills every process after ``timeout`` so a
 hung rank fails the test instead of freezing CI.
+
+Ranks are forked from a forkserver that imported torch, transformers and sq once (a spawned
+rank spends ~3 s of CPU importing them: the largest part of a small multi-rank test on 2
+cores).  The server never computes, so no thread pool is forked.  Each rank gets the caller's
+current environment and working directory; a test that needs a module to *import* under its
+environment (huggingface_hub reads HF_HUB_OFFLINE at import) passes ``start="spawn"``, as do
+NCCL ranks.
 """
 
 from __future__ import annotations
@@ -28,12 +35,28 @@ class RanksTimedOut(AssertionError):
     pass
 
 
-def _child(fn, rank, world, store_path, args, kwargs, out_q, threads, collective_timeout, backend):
+# What the forkserver imports once; a rank unpickling its function imports the rest.
+_PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "safetensors.torch", "sq.quant.blockwise",
+            "sq.load.meta", "sq.quant.signround", "sq.ptq"]
+
+
+def _context(start: str):
+    if start == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first forkserver run)
+    return ctx
+
+
+def _child(fn, rank, world, store_path, args, kwargs, out_q, threads, collective_timeout, backend, env, cwd):
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     torch.set_num_threads(threads)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     try:
@@ -64,24 +87,29 @@ def run_ranks(
     threads: int = 1,
     collective_timeout: float = 60.0,
     backend: str = "gloo",
+    start: str = "forkserver",
     **kwargs,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
 
-    ``backend`` is gloo (CPU) or nccl (one GPU per rank, ``tests_gpu/``).
+    ``backend`` is gloo (CPU) or nccl (one GPU per rank, ``tests_gpu/``).  ``start``:
+    "forkserver" (default, see the module doc) or "spawn" (a bare interpreter; NCCL always).
 
     ``fn`` must be importable (module level).  The first rank to raise fails the call with
     its traceback; the remaining ranks are killed.  Past ``timeout`` every rank is killed
     and the ranks that had not answered are named.
     """
-    ctx = mp.get_context("spawn")
+    if start not in ("forkserver", "spawn"):
+        raise ValueError(f"start must be 'forkserver' or 'spawn', got {start!r}")
+    ctx = _context("spawn" if backend == "nccl" else start)
     out_q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="sq-harness-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, store_path, args, kwargs, out_q, threads, collective_timeout, backend),
+                args=(fn, r, world_size, store_path, args, kwargs, out_q, threads, collective_timeout, backend,
+                      dict(os.environ), os.getcwd()),
                 daemon=True,
             )
             for r in range(world_size)

@@ -106,13 +106,14 @@ def _resolve_offline(rank, world):
 
 def test_offline_fails_with_the_same_line_on_every_rank(tmp_path, monkeypatch):
     # the ranks are spawned with this environment, so the real huggingface_hub starts offline there
+    # (not forked from the harness's forkserver, which imported it online)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.chdir(tmp_path)  # no local folder of that name
     message = ("hub model 'sq-test/not-cached': not (completely) in the local Hugging Face cache and downloads are "
                "off (HF_HUB_OFFLINE=1); pass a local checkpoint folder to --model instead")  # fmt: skip
-    assert run_ranks(_resolve_offline, 2, timeout=120) == [("SqError", message)] * 2
+    assert run_ranks(_resolve_offline, 2, timeout=120, start="spawn") == [("SqError", message)] * 2
 
 
 def _crash_on_rank0(rank, world):

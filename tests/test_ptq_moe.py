@@ -121,3 +121,46 @@ def test_unreached_experts_fall_back_to_rtn_and_are_counted(checkpoints, tmp_pat
                nsamples=2, seqlen=2, calibrate_all_experts=False)], 2)
     report = json.loads((tmp_path / "o" / "sq_report.json").read_text())
     assert 1 <= report["experts_rtn_fallback"] <= 2 * 8
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
+def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(scheme, monkeypatch):
+    """Under calibrate-all every expert's gate/up reads the same Hessian, so the experts' rows
+    are solved a few experts per sweep; each expert's result equals its own solve."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from sq.quant import blockwise
+    from sq.quant.gptq import GPTQ
+
+    torch.manual_seed(0)
+    E, inter, hidden = 8, 32, 64
+    ex = nn.Module()
+    ex.gate_up_proj = nn.Parameter((torch.randn(E, 2 * inter, hidden) * 0.05).bfloat16(), requires_grad=False)
+    ex.down_proj = nn.Parameter((torch.randn(E, hidden, inter) * 0.05).bfloat16(), requires_grad=False)
+    x = torch.randn(512, hidden) @ torch.randn(hidden, hidden) / 8
+    shared = GPTQ(hidden)
+    shared.add_batch(x)
+    mids = {}
+    for e in range(E):
+        mids[e] = GPTQ(inter)
+        mids[e].add_batch(torch.randn(256, inter))
+    s = get_scheme(scheme, 16)
+    orig = {k: p.detach().clone() for k, p in ex.named_parameters()}
+    want = [blockwise._quantize_rows(orig["gate_up_proj"][e].clone(), s, GPTQ.from_hessian(shared.H.clone(), shared.nsamples), "x")
+            for e in range(E)]
+
+    monkeypatch.setattr(blockwise, "_EXPERT_STACK_ELEMS", 3 * 2 * inter * hidden)  # sweeps of 3, 3, 2 experts
+    calib = SimpleNamespace(experts=ex, calibrate_all=True, mine=range(E), h_in=dict.fromkeys(range(E), shared), h_mid=mids)
+    names, real = [], blockwise._quantize_rows
+    monkeypatch.setattr(blockwise, "_quantize_rows", lambda w, sc, g, name, *a: names.append(name) or real(w, sc, g, name, *a))
+    got, fallback = blockwise._quantize_experts([("mlp.experts", ex, s)], [calib], "gptq")
+    assert fallback == []
+    assert [n for n in names if "gate_up" in n] == [f"mlp.experts.{r}.gate_up_proj" for r in ("0-2", "3-5", "6-7")]
+    q, scale, zp = got["mlp.experts"]["gate_up_proj"]
+    for e, (wq, ws, wz, wdeq) in enumerate(want):
+        assert torch.equal(q[e], wq) and torch.equal(scale[e], ws), e
+        assert (zp is None and wz is None) or torch.equal(zp[e], wz), e
+        assert torch.equal(ex.gate_up_proj[e], wdeq), e
+    assert not torch.equal(ex.down_proj, orig["down_proj"])  # quantized per expert against its own Hessian

@@ -214,3 +214,35 @@ def test_input_weight_untouched(data):
     xd[:, 5] = 0
     _gptq(xd).quantize(w32, get_scheme("W4A16", 64))
     assert torch.equal(w32, before)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_weights_sharing_an_accumulator_factor_it_once_with_the_same_bits(data, actorder, monkeypatch):
+    """q/k/v, or every expert's gate/up under calibrate-all, share one Hessian: it is prepared
+    (dead columns, act-order, damped inverse factor) once, and each weight's result equals a
+    solve against its own fresh accumulator."""
+    import sq.quant.gptq as gptq_mod
+
+    x, _ = data
+    x = x.clone()
+    x[:, 5] = 0.0  # a dead column travels with the shared preparation
+    s = get_scheme("W4A16_ASYM", 64)
+    weights = [_data(seed)[1] for seed in (1, 2, 3)]
+    fresh = [_gptq(x).quantize(w, s, actorder=actorder) for w in weights]
+
+    calls = []
+    real = gptq_mod._inverse_cholesky
+    monkeypatch.setattr(gptq_mod, "_inverse_cholesky", lambda *a: calls.append(1) or real(*a))
+    shared = _gptq(x)
+    got = [shared.quantize(w, s, actorder=actorder) for w in weights]
+    assert len(calls) == 1
+    for a, b in zip(fresh, got):
+        assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+        assert torch.equal(a.weight, b.weight) and a.rel_err == b.rel_err and a.loss == b.loss
+        assert b.dead_columns == 1
+    # other settings, or more calibration data, prepare again
+    shared.quantize(weights[0], s, actorder=not actorder)
+    assert len(calls) == 2
+    shared.add_batch(x[:64])
+    shared.quantize(weights[0], s, actorder=not actorder)
+    assert len(calls) == 3

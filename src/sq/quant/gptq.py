@@ -20,6 +20,13 @@ difference to the value a loader will reconstruct, ``(q - zp) * scale`` in that 
 
 To combine Hessians across ranks: all-reduce (SUM) ``gptq.H`` and ``gptq.nsamples``
 (or build the object with :meth:`GPTQ.from_hessian`) before calling ``quantize``.
+
+Weights that share one accumulator (q/k/v read the same input; with calibrate-all every
+expert's gate/up reads every token) share its prepared Hessian: the normalized, dead-column
+fixed, act-order permuted matrix and its damped inverse Cholesky factor are computed by the
+first ``quantize`` call and reused by the later ones with the same settings (on DeepSeek-V3 a
+7168 x 7168 float64 factorization once per block instead of once per local expert).  Each call
+would compute exactly that matrix from exactly the same inputs, so the bits do not change.
 """
 
 from __future__ import annotations
@@ -111,6 +118,7 @@ class GPTQ:
         self.in_features = in_features
         self.H: Tensor | None = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self.nsamples = 0  # tokens seen (rows of the flattened inputs)
+        self._prepared: _Prepared | None = None
 
     @classmethod
     def from_hessian(cls, H: Tensor, nsamples: int) -> GPTQ:
@@ -121,6 +129,7 @@ class GPTQ:
         g.in_features = H.shape[0]
         g.H = H
         g.nsamples = int(nsamples)
+        g._prepared = None
         return g
 
     @torch.no_grad()
@@ -130,6 +139,7 @@ class GPTQ:
             raise RuntimeError("GPTQ.add_batch after free()")
         if x.shape[-1] != self.in_features:
             raise SqError(f"GPTQ input width {x.shape[-1]} != in_features {self.in_features}")
+        self._prepared = None
         if x.dim() >= 3:
             # [samples, tokens, in]: each sample's x^T x in float32 (2-5x faster than float64 on CPU),
             # summed in float64.  A sample's product does not depend on which rank or batch holds it,
@@ -153,6 +163,28 @@ class GPTQ:
 
     def free(self) -> None:
         self.H = None
+        self._prepared = None
+
+    def _prepare(self, cfg: GPTQConfig, dev: torch.device, name: str) -> _Prepared:
+        """The solve's Hessian-only part, computed once per settings and device (see the module doc)."""
+        key = (cfg.percdamp, cfg.actorder, cfg.max_retries, cfg.damp_growth, str(dev), self.nsamples)
+        if self._prepared is not None and self._prepared.key == key:
+            return self._prepared
+        self._prepared = None
+        H = self.hessian().to(device=dev, dtype=torch.float64)  # [cols, cols]
+        if not torch.isfinite(H).all():
+            raise SqError(f"{name}: the calibration Hessian has non-finite entries (inf/NaN inputs)")
+        # Input channels never active carry no information: the reference zeroes them.
+        dead = torch.diag(H) == 0
+        H[dead, dead] = 1
+        H_err = H.to(torch.float32)  # undamped, for the reported error
+        perm = None
+        if cfg.actorder:
+            perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+            H = H[perm][:, perm]
+        Hinv, damp, retries = _inverse_cholesky(H, cfg, name)
+        self._prepared = _Prepared(key, dead, int(dead.sum()), H_err, perm, Hinv, damp, retries)
+        return self._prepared
 
     @torch.no_grad()
     def quantize(
@@ -198,17 +230,10 @@ class GPTQ:
         wdtype = w.dtype
         dev = w.device
 
-        H = self.hessian().to(device=dev, dtype=torch.float64)  # [cols, cols]
-        if not torch.isfinite(H).all():
-            raise SqError(f"{name}: the calibration Hessian has non-finite entries (inf/NaN inputs)")
+        prep = self._prepare(cfg, dev, name)
+        dead, n_dead, H_err, perm, Hinv, damp = prep.dead, prep.n_dead, prep.H_err, prep.perm, prep.Hinv, prep.damp
         W = w.to(torch.float32).clone()
-
-        # Input channels never active carry no information: the reference zeroes them.
-        dead = torch.diag(H) == 0
-        n_dead = int(dead.sum())
-        H[dead, dead] = 1
         W[:, dead] = 0
-        H_err = H.to(torch.float32)  # undamped, for the reported error
 
         # Scales fixed up front come from the unpermuted, dead-zeroed weights in their
         # storage dtype: for a layer without dead columns they equal RTN's exactly.
@@ -218,15 +243,8 @@ class GPTQ:
         else:
             scale = torch.empty(rows, scheme.num_groups(cols), dtype=wdtype, device=dev)
             zp = None if scheme.symmetric else torch.empty(scale.shape, dtype=torch.int8, device=dev)
-
-        perm = None
-        if cfg.actorder:
-            perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        if perm is not None:
             W = W[:, perm]
-            H = H[perm][:, perm]
-
-        Hinv, damp, retries = _inverse_cholesky(H, cfg, name)
-        del H
 
         # column j (in sweep order) uses scale column group_of[j]
         if scheme.strategy == "channel":
@@ -296,7 +314,7 @@ class GPTQ:
             # lazy batch update of every column after the block
             if i2 < cols:
                 Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
-        del Wt, Hinv
+        del Wt
         Q = Qt.T.contiguous()
         del Qt
 
@@ -316,7 +334,7 @@ class GPTQ:
         num = max(2.0 * loss - damp * float((D * D).sum()), 0.0)
         den = float(((Wd @ H_err) * Wd).sum())
         rel_err = math.sqrt(num / den) if den > 0 else 0.0
-        del D, Wd, H_err
+        del D, Wd
 
         return GPTQResult(
             q=Q,
@@ -326,12 +344,26 @@ class GPTQ:
             loss=loss,
             rel_err=rel_err,
             damp=damp,
-            percdamp=cfg.percdamp * cfg.damp_growth**retries,
-            retries=retries,
+            percdamp=cfg.percdamp * cfg.damp_growth**prep.retries,
+            retries=prep.retries,
             dead_columns=n_dead,
             nsamples=self.nsamples,
             seconds=time.perf_counter() - t0,
         )
+
+
+@dataclass
+class _Prepared:
+    """What a solve needs from the Hessian alone (shared by every weight quantized against it)."""
+
+    key: tuple
+    dead: Tensor  # [cols] bool: input channels never active
+    n_dead: int
+    H_err: Tensor  # undamped, dead-fixed, unpermuted, float32: the reported error's metric
+    perm: Tensor | None  # act-order permutation
+    Hinv: Tensor  # upper factor of the damped inverse, in sweep order, float32
+    damp: float
+    retries: int
 
 
 def _channel(scheme: QuantScheme) -> QuantScheme:
