@@ -223,11 +223,12 @@ def _report_summary(out: Path) -> dict | None:
         phases: dict[str, float] = {}
         for b in r["blocks"]:
             for k, v in b.items():
-                if k not in ("block",):
+                if k not in ("block", "rss_anon_after"):
                     phases[k] = phases.get(k, 0.0) + v
         ranks.append(dict(rank=r["rank"], peak_rss_bytes=r["peak_rss_bytes"], blocks=len(r["blocks"]),
                           phases={k: round(v, 2) for k, v in phases.items()},
-                          block_seconds=[b["seconds"] for b in r["blocks"]]))
+                          block_seconds=[b["seconds"] for b in r["blocks"]],
+                          rss_anon_after=[b.get("rss_anon_after") for b in r["blocks"]]))
     index = out / "model.safetensors.index.json"
     tail = None
     if index.is_file():  # report written -> summary, picture, index merge -> index (the last file)

@@ -71,3 +71,29 @@ def prefer_mmap_for_large_allocations(threshold: int = 64 * 1024) -> bool:
         return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
+
+
+_LIBC = None
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim(0)``); False elsewhere.
+
+    A block's many short-lived buffers of a few MB (per-expert Hessians, GPTQ temporaries) sit
+    under glibc's dynamic mmap threshold once it has grown, so they come from the heap, and a
+    freed heap is not returned to the OS by itself: without this the private RSS of a long MoE run
+    creeps up block after block.  Called once per block; it costs milliseconds.
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if not _LIBC:
+        return False
+    return bool(_LIBC.malloc_trim(0))

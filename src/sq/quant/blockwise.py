@@ -35,7 +35,7 @@ from sq.export.compressed import compress_weight, quantization_config
 from sq.load.fill import local_box
 from sq.load.loader import plan_load
 from sq.load.meta import build_skeleton, decoder_blocks, experts_modules
-from sq.memory import peak_rss_bytes
+from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.fsdp import apply_parallel
 from sq.quant import rtn
 from sq.quant.experts import (FUSED, ExpertCalibration, export_slots, gather_rows_bytes, is_ep_param,
@@ -739,11 +739,14 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         state.record_block(b, {shard: rec} if rec else {}, fault)
         book_s = book.get("checksum", 0.0) + time.perf_counter() - t_book
         weights.free(names)
+        del results, expert_q, tensors, counting, calibs
+        trim_heap()
         phase["write"] = time.perf_counter() - t - book_s
         phase["bookkeeping"] = book_s
         total = time.perf_counter() - t0
         stats.blocks.append({"block": b, "seconds": round(total, 3),
-                             **{k: round(v, 3) for k, v in phase.items()}})
+                             **{k: round(v, 3) for k, v in phase.items()},
+                             "rss_anon_after": rss_breakdown()["anon"]})
         if prefix in stats.tuning:
             logger.info("block %d/%d SignRound loss %.4g -> %.4g (start -> best of %d steps)", b + 1, len(blocks),
                         stats.tuning[prefix]["loss_first"], stats.tuning[prefix]["loss_best"], cfg.iters)
