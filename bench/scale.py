@@ -238,8 +238,12 @@ def _report_summary(out: Path) -> dict | None:
 
 
 def run_job(name: str, algo: str, extra: list[str], *, deadline: float | None, timeout: float,
-            label: str | None = None, worker: list[str] | None = None, keep_output: bool = False) -> dict:
-    """One ``torchrun -m sq.ptq`` job on checkpoint ``name``; returns (and appends) its record."""
+            label: str | None = None, worker: list[str] | None = None, keep_output: bool = False,
+            env_extra: dict[str, str] | None = None) -> dict:
+    """One ``torchrun -m sq.ptq`` job on checkpoint ``name``; returns (and appends) its record.
+
+    ``env_extra`` (e.g. an allocator setting) is added to the job's environment and recorded.
+    """
     ckpt = ckpt_dir(name)
     if not (ckpt / ".bench-done").is_file():
         raise SystemExit(f"{ckpt} is not built: run `bench/scale.py build --ckpts {name}`")
@@ -255,9 +259,9 @@ def run_job(name: str, algo: str, extra: list[str], *, deadline: float | None, t
     target = worker if worker is not None else ["-m", "sq.ptq"]
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *target, *sq_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", **(env_extra or {}))
     log = SCALE / f"log-{label}.txt"
-    shown = " ".join(["OMP_NUM_THREADS=1", "torchrun --standalone --nproc-per-node=2", *target,
+    shown = " ".join(["OMP_NUM_THREADS=1", *[f"{k}={v}" for k, v in (env_extra or {}).items()], "torchrun --standalone --nproc-per-node=2", *target,
                       *[str(a).replace(str(REPO) + "/", "") for a in sq_args]])
     print(f"== {label}: {shown}\n   page cache after eviction: {cached} bytes; log {log}", flush=True)
     load_before = os.getloadavg()
@@ -311,7 +315,7 @@ def run_job(name: str, algo: str, extra: list[str], *, deadline: float | None, t
                 shutil.copy(out / f, kept / f)
     blocks_done = {r: len(list(out.glob(f"model-rank{r:05d}-block*.safetensors"))) for r in range(2)}
     rec = dict(
-        label=label, ckpt=name, algo=algo, extra=extra, cmd=shown, ckpt_bytes=meta["total_bytes"],
+        label=label, ckpt=name, algo=algo, extra=extra, env=env_extra or {}, cmd=shown, ckpt_bytes=meta["total_bytes"],
         ckpt_files=meta["files"], layers=CKPTS[name]["num_hidden_layers"], experts=CKPTS[name]["num_experts"],
         rc=rc, error=why, wall_s=round(wall, 1), page_cache_after_evict=cached, blocks_written=blocks_done,
         log_blocks=log_blocks,
@@ -724,10 +728,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--cprofile", action="store_true", help="profile: cProfile each rank (else timers only)")
     ap.add_argument("--keep-output", action="store_true")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="for run/depth: add to the job's environment (recorded); e.g. an allocator setting")
+    ap.add_argument("--tag", default="", help="for run/depth: label suffix, keeping these runs out of the main tables")
     args = ap.parse_args()
     SCALE.mkdir(parents=True, exist_ok=True)
     dl = _deadline(args.deadline)
     calib = ["--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen)]
+    env_extra = dict(kv.split("=", 1) for kv in args.env)
+    tag = f"-{args.tag}" if args.tag else ""
 
     if args.cmd == "build":
         for name in args.ckpts.split(","):
@@ -735,7 +744,7 @@ def main() -> None:
             loadbench.evict(ckpt_dir(name))
     elif args.cmd == "run":
         run_job(args.ckpt, args.algo, calib if args.algo == "gptq" else [], deadline=dl, timeout=args.timeout,
-                keep_output=args.keep_output)
+                keep_output=args.keep_output, env_extra=env_extra, label=f"{args.ckpt}-{args.algo}{tag}")
     elif args.cmd == "plan":
         plan(args.ckpt)
     elif args.cmd == "depth":
@@ -743,7 +752,8 @@ def main() -> None:
             for L in (int(x) for x in args.layers.split(",")):
                 name = f"depth-L{L}"
                 build(name)
-                run_job(name, algo, calib if algo == "gptq" else [], deadline=dl, timeout=args.timeout)
+                run_job(name, algo, calib if algo == "gptq" else [], deadline=dl, timeout=args.timeout,
+                        env_extra=env_extra, label=f"{name}-{algo}{tag}")
     elif args.cmd == "profile":
         profile_job(args.ckpt, args.algo, calib if args.algo == "gptq" else [], dl, args.cprofile)
     elif args.cmd == "table":

@@ -188,6 +188,114 @@ def run_torchrun(
     return TorchrunResult(proc.returncode, out, err)
 
 
+def _cli_rank(module, argv, rank, world, port, env, cwd, threads, log_prefix):
+    """One rank of ``run_cli``: torchrun's environment, stdout/stderr into files, ``python -m``."""
+    import runpy
+
+    import torch
+
+    for fd, suffix in ((1, "out"), (2, "err")):
+        f = os.open(f"{log_prefix}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    # line-buffered, as PYTHONUNBUFFERED would be: a SIGKILLed rank keeps what it printed
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    os.chdir(cwd)
+    torch.set_num_threads(threads)
+    sys.argv = [module, *argv]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception in ``python -m`` would
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(
+    module_and_args: list[str],
+    nproc: int,
+    *,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> TorchrunResult:
+    """``run_torchrun``'s contract with ranks forked from the preloaded forkserver instead.
+
+    Each rank gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR/PORT), one torch thread unless ``env`` sets OMP_NUM_THREADS, and runs
+    ``python -m MODULE ARGS`` as ``__main__``; as under torchrun, the first rank to exit
+    non-zero (or die) has the others killed, and the return code is non-zero.  stdout and
+    stderr are each rank's streams, rank by rank.  A torchrun launch spends ~6 s of the
+    2 cores importing torch in three fresh interpreters; this spends none.  Real torchrun
+    stays where the launcher is the subject (its error report, Slurm templates, memory of
+    a fresh process).
+    """
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    threads = int(full_env["OMP_NUM_THREADS"])
+    ctx = _context("forkserver")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="sq-cli-") as tmp:
+        logs = [os.path.join(tmp, f"rank{r}") for r in range(nproc)]
+        procs = [ctx.Process(target=_cli_rank, args=(module_and_args[0], module_and_args[1:], r, nproc, port,
+                                                     full_env, cwd or os.getcwd(), threads, logs[r]))
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.exitcode is None for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # torchrun stops the group when one rank fails
+                if time.monotonic() > deadline:
+                    raise RanksTimedOut(f"{' '.join(module_and_args)} on {nproc} forked ranks timed out after "
+                                        f"{timeout:.0f}s\n{_read_logs(logs)[1][-4000:]}")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=5)
+        codes = [p.exitcode for p in procs]
+        out, err = _read_logs(logs)
+    failed = [(r, c) for r, c in enumerate(codes) if c not in (0, None)]
+    if failed:
+        err += "".join(f"sq-test-launcher: rank {r} exited with {c}\n" for r, c in failed)
+    return TorchrunResult(1 if failed or None in codes else 0, out, err)
+
+
+def _read_logs(logs: list[str]) -> tuple[str, str]:
+    def read(path):
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    return "".join(read(f"{p}.out") for p in logs), "".join(read(f"{p}.err") for p in logs)
+
+
 def run_python(module_and_args: list[str], *, timeout: float = 300.0, env=None, cwd=None) -> TorchrunResult:
     """``python -m MODULE ARGS...`` (one process) with a timeout."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

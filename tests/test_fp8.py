@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ckpt_edit import copy_ckpt, edit_config, edit_tensors
-from harness import run_ranks, run_torchrun
+from harness import run_cli, run_ranks
 from quant_ref import read_tensors
 from sq.errors import LoadRefused
 from sq.load import fp8
@@ -311,7 +311,7 @@ def test_orphan_scale(checkpoints, tmp_path):
 
 
 def _ptq(checkpoints, out, *extra):
-    r = run_torchrun(["sq.ptq", "--model", str(checkpoints[NAME]), "--output", str(out), "--scheme", "W4A16",
+    r = run_cli(["sq.ptq", "--model", str(checkpoints[NAME]), "--output", str(out), "--scheme", "W4A16",
                       "--group-size", str(GS), *extra], 2, timeout=240)
     assert r.returncode == 0, r.output[-4000:]
     return out

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 from ckpt_edit import copy_ckpt, edit_config
-from harness import run_torchrun
+from harness import run_cli, run_torchrun
 
 
 def test_inspect_two_ranks_reports_and_scores(checkpoints):
-    res = run_torchrun(["sq.inspect", "--model", str(checkpoints["llama"]), "--ppl", "--seqlen", "32",
+    res = run_cli(["sq.inspect", "--model", str(checkpoints["llama"]), "--ppl", "--seqlen", "32",
                         "--nwindows", "4", "--json"], 2, timeout=180)
     assert res.returncode == 0, res.output
     report = json.loads(res.stdout.strip().splitlines()[-1])

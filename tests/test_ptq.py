@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import run_python, run_torchrun
+from harness import run_cli, run_python
 from quant_ref import read_tensors
 
 GROUP = 32  # divides the fixture's hidden 64 and intermediate 128
@@ -23,7 +23,7 @@ CALIB = ["--nsamples", "8", "--seqlen", "32"]
 
 def _ptq(src: Path, out: Path, world: int, *args: str, timeout: float = 120.0):
     argv = ["sq.ptq", "--model", str(src), "--output", str(out), *args]
-    res = run_python(argv, timeout=timeout) if world == 1 else run_torchrun(argv, world, timeout=timeout)
+    res = run_python(argv, timeout=timeout) if world == 1 else run_cli(argv, world, timeout=timeout)
     return res
 
 

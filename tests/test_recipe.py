@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harness import run_torchrun
+from harness import run_cli
 from quant_ref import load_any
 from sq.errors import SqError
 from sq.quant import rtn
@@ -85,7 +85,7 @@ def test_mixed_recipe_exports_one_group_per_scheme_and_loads(checkpoints, tmp_pa
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "o"
-    res = run_torchrun(_args(checkpoints["llama"], out, _write(tmp_path, RECIPE)), 2, timeout=240)
+    res = run_cli(_args(checkpoints["llama"], out, _write(tmp_path, RECIPE)), 2, timeout=240)
     assert res.returncode == 0, res.output[-3000:]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     groups = {g["weights"]["num_bits"]: g["targets"] for g in qc["config_groups"].values()}
@@ -123,15 +123,15 @@ def test_mixed_recipe_exports_one_group_per_scheme_and_loads(checkpoints, tmp_pa
 def test_runs_differing_only_in_bit_allocation_never_resume_each_other(checkpoints, tmp_path):
     out = tmp_path / "o"
     a = _write(tmp_path, RECIPE, "a.yaml")
-    killed = run_torchrun(_args(checkpoints["llama"], out, a), 2, timeout=240, env={"SQ_FAULT": "after-shard-write:1:1"})
+    killed = run_cli(_args(checkpoints["llama"], out, a), 2, timeout=240, env={"SQ_FAULT": "after-shard-write:1:1"})
     assert killed.returncode != 0 and (out / ".sq-run").is_dir()
     # same scheme names, same flags; only q_proj moves from 8 to 4 bits
     b = _write(tmp_path, RECIPE.replace("(q|k)", "(k)"), "b.yaml")
-    res = run_torchrun(_args(checkpoints["llama"], out, b), 2, timeout=240)
+    res = run_cli(_args(checkpoints["llama"], out, b), 2, timeout=240)
     assert res.returncode != 0
     assert "holds an unfinished run with different settings" in res.stderr
     assert "assignment.model.layers.0.self_attn.q_proj" in res.stderr
     # the original recipe resumes and finishes
-    res = run_torchrun(_args(checkpoints["llama"], out, a), 2, timeout=240)
+    res = run_cli(_args(checkpoints["llama"], out, a), 2, timeout=240)
     assert res.returncode == 0, res.output[-3000:]
     assert json.loads((out / "sq_report.json").read_text())["resumed_from_block"] == 1

@@ -1,7 +1,9 @@
 """Crash and resume: SIGKILL at every fault point, rerun, and every output tensor is bit-identical.
 
 The fault hook (``SQ_FAULT=point:rank[:block]``, read only by the CLI) SIGKILLs one rank at a
-named point; torchrun then stops the other rank, as a dead node would.  The rerun is the very
+named point; the launcher then stops the other rank, as a dead node would.  The CLI runs on
+ranks forked by ``harness.run_cli`` (torchrun's environment and stop-on-failure, without its
+~6 s of imports per launch); ``test_killed_peer_ends_the_job_quickly`` keeps real torchrun.  The rerun is the very
 same command.  Control runs are uninterrupted runs of the same job.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_ranks, run_torchrun
+from harness import run_cli, run_ranks, run_torchrun
 from quant_ref import quantize_jobs
 from test_ptq_moe import _same_bits
 
@@ -61,7 +63,7 @@ def controls(checkpoints, tmp_path_factory):
 def partial(checkpoints, tmp_path_factory):
     """A GPTQ run of the Llama killed after rank 0 wrote block 1's shard (copied by the tests that need one)."""
     out = tmp_path_factory.mktemp("partial") / "o"
-    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300,
+    res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300,
                        env={"SQ_FAULT": "after-shard-write:0:1"})
     assert res.returncode != 0 and (out / ".sq-run" / "run.json").exists()
     return out
@@ -84,7 +86,7 @@ def _kill_chain(checkpoints, controls, tmp_path, arch, algo, faults, after_first
     restarts = []
     for fault in [*faults, None]:
         env = {"SQ_FAULT": fault} if fault else {}
-        res = run_torchrun(_args(checkpoints[arch], out, algo), 2, timeout=300, env=env)
+        res = run_cli(_args(checkpoints[arch], out, algo), 2, timeout=300, env=env)
         found = re.findall(rf"resuming at block (\d+) of {n_blocks}", res.output)
         if fault != faults[0]:
             assert len(found) == 1, (fault, res.output[-3000:])
@@ -132,12 +134,12 @@ def test_rtn_killed_at_every_point_resumes_bit_identical(checkpoints, controls, 
 
 def test_enospc_is_a_clean_error_then_resumes(checkpoints, controls, tmp_path):
     out = tmp_path / "o"
-    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300, env={"SQ_FAULT": "enospc:1:1"})
+    res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300, env={"SQ_FAULT": "enospc:1:1"})
     assert res.returncode != 0
     assert "sq: error: no space left on the device while writing" in res.stderr
     assert "model-rank00001-block00001.safetensors" in res.stderr
     assert not list(out.glob(".*.tmp"))
-    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
+    res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
     assert res.returncode == 0, res.output[-3000:]
     assert _same_bits(controls["llama", "gptq"], out) == []
 
@@ -145,7 +147,7 @@ def test_enospc_is_a_clean_error_then_resumes(checkpoints, controls, tmp_path):
 def test_finished_output_is_never_touched(checkpoints, controls):
     done = controls["llama", "rtn"]
     before = {p.name: p.stat().st_mtime_ns for p in done.iterdir()}
-    res = run_torchrun(_args(checkpoints["llama"], done, "rtn"), 2, timeout=120)
+    res = run_cli(_args(checkpoints["llama"], done, "rtn"), 2, timeout=120)
     assert res.returncode == 0 and "already complete" in res.stdout
     assert {p.name: p.stat().st_mtime_ns for p in done.iterdir()} == before
 
@@ -191,7 +193,7 @@ def test_resume_never_require_and_corrupt_state(checkpoints, controls, partial, 
     # corrupt the chain cache and a finished shard: both are detected and their blocks redone
     chain = next((out / ".sq-run" / "rank-00001").glob("chain-*.safetensors"))
     chain.write_bytes(chain.read_bytes()[:-7] + b"garbage")
-    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
+    res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
     assert res.returncode == 0, res.output[-3000:]
     assert json.loads((out / "sq_report.json").read_text())["resumed_from_block"] < 2
     assert _same_bits(controls["llama", "gptq"], out) == []
@@ -199,7 +201,7 @@ def test_resume_never_require_and_corrupt_state(checkpoints, controls, partial, 
     again = tmp_path / "again"
     _partial_run(partial, again)
     (again / ".sq-run" / "rank-00000" / "manifest.json").write_text("{not json")
-    res = run_torchrun(_args(checkpoints["llama"], again, "gptq") + ["--resume", "never"], 2, timeout=300)
+    res = run_cli(_args(checkpoints["llama"], again, "gptq") + ["--resume", "never"], 2, timeout=300)
     assert res.returncode == 0, res.output[-3000:]
     assert json.loads((again / "sq_report.json").read_text())["resumed_from_block"] == 0
     assert _same_bits(controls["llama", "gptq"], again) == []
@@ -212,10 +214,10 @@ def test_lock_refuses_a_live_run_and_takes_over_a_dead_one(checkpoints, partial,
     _partial_run(partial, out)
     lock = out / ".sq-run" / "lock"
     lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))  # alive: pytest's parent
-    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=120)
+    res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=120)
     assert res.returncode != 0 and "is being written by another sq run" in res.stderr
     lock.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))  # no such process
-    res = run_torchrun(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
+    res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
     assert res.returncode == 0 and "taking over the stale lock" in res.output
 
 
