@@ -49,3 +49,15 @@ def test_user_settings_win_and_zero_is_never_set():
                                                      "LRU_CACHE_CAPACITY": "256"}
     assert bound_cpu_kernel_caches(0, environ={}) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1",
                                                        "LRU_CACHE_CAPACITY": "1"}
+
+
+def test_command_lines_bound_the_caches_before_their_body_runs(monkeypatch):
+    import os
+
+    from sq.cli import run_cli
+
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(var, raising=False)
+    seen = {}
+    assert run_cli(lambda: seen.update(os.environ)) == 0
+    assert (seen["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], seen["LRU_CACHE_CAPACITY"]) == ("32", "32")

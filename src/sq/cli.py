@@ -21,10 +21,14 @@ class ArgParser(argparse.ArgumentParser):
 def run_cli(body: Callable[[], object]) -> int:
     """Run ``body``; an ``SqError`` becomes one ``sq: error:`` line per problem and exit code 2.
 
-    The process group is torn down either way, so no rank lingers in a collective.
+    The process group is torn down either way, so no rank lingers in a collective.  Before
+    ``body`` runs (and so before any matmul), the CPU kernel caches are bounded
+    (``sq.memory.bound_cpu_kernel_caches``: a MoE forward on CPU is a new shape per expert).
     """
     from sq.dist import destroy_distributed
+    from sq.memory import bound_cpu_kernel_caches
 
+    bound_cpu_kernel_caches()
     try:
         body()
         return 0

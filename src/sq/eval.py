@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus, tokenize_corpus
 from sq.errors import SqError
 from sq.hub import resolve_model_dist
+from sq.memory import bound_cpu_kernel_caches
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def _load(spec: str, source, *, model: bool):
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sq").setLevel(logging.INFO)  # e.g. "building demo:smollm2 (once)" during a long wait
+    bound_cpu_kernel_caches()  # before any matmul: a MoE forward on CPU is a new shape per expert
     try:
         args = _parse(argv)
         corpus = read_corpus(args.dataset)  # first: a bad dataset fails before the slow model load

@@ -61,11 +61,10 @@ def main(argv=None) -> int:
         from sq.dist import init_distributed, setup_logging
         from sq.quant.blockwise import quantize_model
 
-        from sq.memory import bound_cpu_kernel_caches, prefer_mmap_for_large_allocations
+        from sq.memory import prefer_mmap_for_large_allocations
 
         cfg = parse_args(argv)
         prefer_mmap_for_large_allocations()
-        bound_cpu_kernel_caches()
         env = init_distributed(timeout_s=cfg.timeout_s)
         setup_logging(env.rank)
         report = quantize_model(cfg)
