@@ -730,11 +730,13 @@ def main() -> None:
     ap.add_argument("--keep-output", action="store_true")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="for run/depth: add to the job's environment (recorded); e.g. an allocator setting")
+    ap.add_argument("--sq-args", default="", help="for run/depth: more sq.ptq arguments, e.g. '--ep 2'")
     ap.add_argument("--tag", default="", help="for run/depth: label suffix, keeping these runs out of the main tables")
     args = ap.parse_args()
     SCALE.mkdir(parents=True, exist_ok=True)
     dl = _deadline(args.deadline)
     calib = ["--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen)]
+    more = args.sq_args.split()
     env_extra = dict(kv.split("=", 1) for kv in args.env)
     tag = f"-{args.tag}" if args.tag else ""
 
@@ -743,7 +745,7 @@ def main() -> None:
             build(name)
             loadbench.evict(ckpt_dir(name))
     elif args.cmd == "run":
-        run_job(args.ckpt, args.algo, calib if args.algo == "gptq" else [], deadline=dl, timeout=args.timeout,
+        run_job(args.ckpt, args.algo, (calib if args.algo == "gptq" else []) + more, deadline=dl, timeout=args.timeout,
                 keep_output=args.keep_output, env_extra=env_extra, label=f"{args.ckpt}-{args.algo}{tag}")
     elif args.cmd == "plan":
         plan(args.ckpt)
@@ -752,7 +754,7 @@ def main() -> None:
             for L in (int(x) for x in args.layers.split(",")):
                 name = f"depth-L{L}"
                 build(name)
-                run_job(name, algo, calib if algo == "gptq" else [], deadline=dl, timeout=args.timeout,
+                run_job(name, algo, (calib if algo == "gptq" else []) + more, deadline=dl, timeout=args.timeout,
                         env_extra=env_extra, label=f"{name}-{algo}{tag}")
     elif args.cmd == "profile":
         profile_job(args.ckpt, args.algo, calib if args.algo == "gptq" else [], dl, args.cprofile)
