@@ -160,6 +160,11 @@ class TorchrunResult:
         return self.stdout + self.stderr
 
 
+def _rank_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The caller's environment for a launched rank: one torch thread, unbuffered, then ``env``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 def run_torchrun(
     module_and_args: list[str],
     nproc: int,
@@ -175,7 +180,7 @@ def run_torchrun(
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", *module_and_args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = _rank_env(env)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:
@@ -251,7 +256,7 @@ def run_cli(
     stays where the launcher is the subject (its error report, Slurm templates, memory of
     a fresh process).
     """
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = _rank_env(env)
     threads = int(full_env["OMP_NUM_THREADS"])
     ctx = _context("forkserver")
     port = _free_port()
