@@ -43,13 +43,10 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     """
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
-    from sq.memory import bound_cpu_kernel_caches
     from sq.quant.blockwise import CALIBRATED, PTQConfig, _run
     from sq.quant.recipe import make_assigner
     from sq.quant.weights import ModelWeights
     from sq.resume import sha256_bytes
-
-    bound_cpu_kernel_caches()  # effective only if this process has not run a CPU matmul yet
 
     t_start = time.perf_counter()
     if not dist.is_initialized():
