@@ -229,12 +229,20 @@ def _cli_rank(module, argv, rank, world, port, env, cwd, threads, log_prefix):
     os._exit(code)
 
 
-def _free_port() -> int:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free right now (all held open together, then released)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def run_cli(
@@ -259,7 +267,7 @@ def run_cli(
     full_env = _rank_env(env)
     threads = int(full_env["OMP_NUM_THREADS"])
     ctx = _context("forkserver")
-    port = _free_port()
+    (port,) = free_ports(1)
     with tempfile.TemporaryDirectory(prefix="sq-cli-") as tmp:
         logs = [os.path.join(tmp, f"rank{r}") for r in range(nproc)]
         procs = [ctx.Process(target=_cli_rank, args=(module_and_args[0], module_and_args[1:], r, nproc, port,

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import free_ports
 from quant_ref import read_tensors
 import torch
 
@@ -122,19 +123,6 @@ def _skip(reason: str):
     if os.environ.get("SQ_REQUIRE_SLURM") == "1":
         pytest.fail(f"SQ_REQUIRE_SLURM=1 but: {reason}")
     pytest.skip(reason)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _load(out: Path):
@@ -254,7 +242,7 @@ class Cluster:
 
         self._wait("munged", munge_works, 30, ("munged.console", "munged.log"))
 
-        ctld_port, slurmd_port = _free_ports(2)
+        ctld_port, slurmd_port = free_ports(2)
         cpus = max(2, os.cpu_count() or 1)
         r = self.root
         self.conf.write_text("\n".join([
@@ -416,7 +404,7 @@ def test_slurm_multi_node_job_stopped_mid_run_requeues_and_resumes(slurm_cluster
     cluster = slurm_cluster
     out, logs, workdir = tmp_path / "out", tmp_path / "logs", tmp_path / "job"
     workdir.mkdir()
-    (rdzv_port,) = _free_ports(1)
+    (rdzv_port,) = free_ports(1)
     # PYTHON stand-in: the first start dies at the fault (rank 1, after block 1's shard), then holds
     # the node until Slurm takes it back, like a job preempted mid-run; later starts run normally.
     python = tmp_path / "python-first-start-stops"
