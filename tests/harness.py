@@ -154,6 +154,7 @@ class TorchrunResult:
     returncode: int
     stdout: str
     stderr: str
+    codes: list[int | None] | None = None  # each rank's exit code (run_cli only)
 
     @property
     def output(self) -> str:
@@ -252,6 +253,7 @@ def run_cli(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
+    stop_on_failure: bool = True,
 ) -> TorchrunResult:
     """``run_torchrun``'s contract with ranks forked from the preloaded forkserver instead.
 
@@ -262,7 +264,8 @@ def run_cli(
     stderr are each rank's streams, rank by rank.  A torchrun launch spends ~6 s of the
     2 cores importing torch in three fresh interpreters; this spends none.  Real torchrun
     stays where the launcher is the subject (its error report, Slurm templates, memory of
-    a fresh process).
+    a fresh process).  ``stop_on_failure=False`` lets every rank finish on its own (within
+    ``timeout``) so a test can check each rank's exit code (``TorchrunResult.codes``).
     """
     full_env = _rank_env(env)
     threads = int(full_env["OMP_NUM_THREADS"])
@@ -278,7 +281,7 @@ def run_cli(
         deadline = time.monotonic() + timeout
         try:
             while any(p.exitcode is None for p in procs):
-                if any(p.exitcode not in (None, 0) for p in procs):
+                if stop_on_failure and any(p.exitcode not in (None, 0) for p in procs):
                     break  # torchrun stops the group when one rank fails
                 if time.monotonic() > deadline:
                     raise RanksTimedOut(f"{' '.join(module_and_args)} on {nproc} forked ranks timed out after "
@@ -295,7 +298,7 @@ def run_cli(
     failed = [(r, c) for r, c in enumerate(codes) if c not in (0, None)]
     if failed:
         err += "".join(f"sq-test-launcher: rank {r} exited with {c}\n" for r, c in failed)
-    return TorchrunResult(1 if failed or None in codes else 0, out, err)
+    return TorchrunResult(1 if failed or None in codes else 0, out, err, codes)
 
 
 def _read_logs(logs: list[str]) -> tuple[str, str]:
