@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -45,3 +46,25 @@ def edit_index(path, fn) -> None:
     index = json.loads(p.read_text())
     index["weight_map"] = fn(index["weight_map"])
     p.write_text(json.dumps(index, indent=2))
+
+
+def read_header(file) -> tuple[dict, bytes]:
+    """One safetensors file's header (parsed JSON) and its data section (raw bytes)."""
+    raw = Path(file).read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_header(file, header, data: bytes, *, length: int | None = None) -> None:
+    """Write a safetensors file from a header (a dict, or raw bytes as they are) and data bytes.
+
+    ``length`` overrides the 8-byte header length field (a lie about the header's size).
+    """
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    Path(file).write_bytes(struct.pack("<Q", len(blob) if length is None else length) + blob + data)
+
+
+def edit_header(file, fn) -> None:
+    """Rewrite one safetensors file's header as ``fn(header dict)`` returns it; the data bytes are kept."""
+    header, data = read_header(file)
+    write_header(file, fn(header), data)

@@ -36,8 +36,9 @@ class RanksTimedOut(AssertionError):
 
 
 # What the forkserver imports once; a rank unpickling its function imports the rest.
+# modeling_llama: the Llama fixture most CLI tests build is ~2 s of CPU to import in each rank.
 _PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "safetensors.torch", "sq.quant.blockwise",
-            "sq.load.meta", "sq.quant.signround", "sq.ptq"]
+            "sq.load.meta", "sq.quant.signround", "sq.ptq", "transformers.models.llama.modeling_llama"]
 
 
 def _context(start: str):

@@ -21,3 +21,28 @@ def test_every_option_is_documented(module):
     assert not missing, f"{module}: undocumented options {missing}"
     documented = set(re.findall(r"^\| `(--[a-z-]+)", section, flags=re.M))
     assert documented <= set(options), f"{module}: documented but gone {sorted(documented - set(options))}"
+
+
+@pytest.mark.parametrize("module", ["sq.ptq", "sq.inspect", "sq.eval"])
+def test_help_explains_every_option_and_its_default(module):
+    """``--help``: a user-facing description, a help text for every option, the default where there is one."""
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    assert parser.description and "``" not in parser.description and "thin:" not in parser.description
+    formatter = parser._get_formatter()
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or not action.option_strings or "--help" in action.option_strings:
+            continue
+        assert action.help, f"{module} {action.option_strings[0]} has no help text"
+        default = action.default
+        if action.required or default is None or isinstance(default, bool) or default == []:
+            continue
+        shown = formatter._get_help_string(action)
+        assert "default" in shown, f"{module} {action.option_strings[0]}: --help does not show its default"
+    if module == "sq.ptq":
+        for option, default in [("--scheme", "W4A16"), ("--nsamples", "128"), ("--seqlen", "512"),
+                                ("--dataset", "builtin:pydoc"), ("--group-size", "128"), ("--seed", "0")]:
+            block = text.split("options:", 1)[1].split(f"  {option} ", 1)[1].split("\n  --", 1)[0]
+            assert f"(default: {default})" in " ".join(block.split()), f"{option}: {block!r}"

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from harness import run_cli, run_ranks, run_torchrun
+from test_hostile import _hold_lock
 from quant_ref import quantize_jobs
 from test_ptq_moe import _same_bits
 
@@ -213,12 +214,17 @@ def test_lock_refuses_a_live_run_and_takes_over_a_dead_one(checkpoints, partial,
     out = tmp_path / "o"
     _partial_run(partial, out)
     lock = out / ".sq-run" / "lock"
-    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))  # alive: pytest's parent
-    res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=120)
+    holder = _hold_lock(lock)  # a live run's rank 0 holds the flock for the whole run
+    try:
+        res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
     assert res.returncode != 0 and "is being written by another sq run" in res.stderr
-    lock.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))  # no such process
+    # a record naming a live pid on this host without the flock is stale (the pid was reused)
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
     res = run_cli(_args(checkpoints["llama"], out, "gptq"), 2, timeout=300)
-    assert res.returncode == 0 and "taking over the stale lock" in res.output
+    assert res.returncode == 0 and "taking over the lock of dead run" in res.output
 
 
 def test_killed_peer_ends_the_job_quickly(checkpoints, tmp_path):

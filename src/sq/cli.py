@@ -11,11 +11,41 @@ from typing import Callable
 from sq.errors import SqError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default appended (``(default: 128)``) and the epilog's line breaks kept.
+
+    Not for required options, on/off flags, or options without a default (their help says what
+    happens then).
+    """
+
+    def _get_help_string(self, action):
+        default = action.default
+        if (action.required or default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or default == [] or "default" in (action.help or "")):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgParser(argparse.ArgumentParser):
     """argparse that raises ``SqError`` instead of exiting, so bad flags read like every sq error."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         raise SqError(message)
+
+
+def positive_seconds(text: str) -> float:
+    """argparse ``type`` of a timeout: a finite number of seconds above 0 (0 would fail every collective)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def run_cli(body: Callable[[], object]) -> int:
@@ -63,14 +93,22 @@ def _settle(timeout_s: float = 10.0) -> None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         store = dist.PrefixStore("sq-settle/", dist.distributed_c10d._get_default_store())
-        world = dist.get_world_size()
+        world, rank = dist.get_world_size(), dist.get_rank()
         deadline = time.monotonic() + timeout_s
-        if store.add("arrived", 1) >= world:
-            return
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            if store.add("arrived", 0) >= world:
-                return
+
+        def wait_for(key: str, n: int) -> bool:
+            while store.add(key, 0) < n:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+            return True
+
+        store.add("arrived", 1)
+        if wait_for("arrived", world) and rank != 0:
+            store.add("seen", 1)
+        elif rank == 0:
+            # rank 0 hosts the store under torchrun: it leaves last, so no rank polls a closed store
+            wait_for("seen", world - 1)
     except Exception:  # noqa: BLE001 - best effort: the error is already printed
         pass
 

@@ -14,6 +14,7 @@ import argparse
 import logging
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,11 @@ from sq.hub import resolve_model_dist
 from sq.memory import bound_cpu_kernel_caches
 
 logger = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+Perplexity of a checkpoint (full precision, or quantized by sq: compressed-tensors) on
+the last windows of a text corpus, each window scored alone, fp32 on CPU.
+One process: python -m sq.eval."""
 
 
 @torch.no_grad()
@@ -66,13 +72,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m sq.eval", description="Perplexity of a checkpoint on a text corpus.")
-    p.add_argument("--model", required=True, help="checkpoint directory, hub id, or demo:smollm2 / demo:tiny-moe")
-    p.add_argument("--dataset", default=BUILTIN_PYDOC,
+    from sq.cli import HelpFormatter
+
+    p = _Parser(prog="python -m sq.eval", description=DESCRIPTION, formatter_class=HelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder, Hugging Face hub id org/name (config, tokenizer and safetensors only), "
+                        "or demo:smollm2 / demo:tiny-moe")
+    p.add_argument("--dataset", default=BUILTIN_PYDOC, metavar="SPEC",
                    help="builtin:pydoc, a .txt/.jsonl/.parquet file, or a hub dataset org/name[:split]; docs/data.md")
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--nwindows", type=int, default=40, help="score the last N windows of the corpus")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=512, metavar="N", help="tokens per window")
+    p.add_argument("--nwindows", type=int, default=40, metavar="N", help="score the last N windows of the corpus")
+    p.add_argument("--batch-size", type=int, default=4, metavar="N", help="windows per forward pass")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     return p
 
@@ -87,11 +97,45 @@ def _load(spec: str, source, *, model: bool):
 
     try:
         if not model:
-            return AutoTokenizer.from_pretrained(source)
-        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu").eval()
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu",
+                                                    trust_remote_code=False, use_safetensors=True).eval()
     except (OSError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())  # one line per problem, as every sq error
         raise SqError(f"cannot load model {spec!r} ({source}): {reason}") from e
+
+
+def _refuse_unsafe(source) -> None:
+    """Before transformers opens anything: the refusals sq.ptq makes at scan time for the files it reads.
+
+    A link that leaves the checkpoint folder (other than the hub cache's own blob links) and a
+    tokenizer with custom code (``auto_map`` in tokenizer_config.json) are refused, never run.
+    """
+    from sq.load.meta import tokenizer_problems
+    from sq.load.source import checkpoint_link_problems
+
+    problems = list(checkpoint_link_problems(source).values())
+    problems += tokenizer_problems(source, trust_remote_code=False)
+    if problems:
+        raise SqError(problems)
+
+
+def _refuse_pickle(source) -> None:
+    """sq reads safetensors only: a folder without them (pickle weights only, or none) is refused up front.
+
+    transformers would otherwise unpickle ``pytorch_model.bin`` (weights-only, yet still a
+    pickle) or fail with a raw error; the model is also loaded with ``use_safetensors=True``.
+    """
+    from sq.load.source import PICKLE_SUFFIXES
+
+    root = Path(source)
+    if not root.is_dir() or any(p.name.endswith(".safetensors") for p in root.iterdir()):
+        return
+    pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise SqError(f"{root} holds only pickle checkpoints ({', '.join(pickles[:3])}); sq reads safetensors only "
+                      "because unpickling can run arbitrary code. Convert them to safetensors first")
+    raise SqError(f"{root} has no *.safetensors files")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(argv)
         corpus = read_corpus(args.dataset)  # first: a bad dataset fails before the slow model load
         source = resolve_model_dist(args.model)  # a hub id: config, tokenizer, safetensors only
+        _refuse_unsafe(source)
+        _refuse_pickle(source)
         tokenizer = _load(args.model, source, model=False)
         tokens = tokenize_corpus(tokenizer, corpus.text(tokenizer))  # chat records need the tokenizer
         windows = eval_windows(tokens, args.nwindows, args.seqlen)

@@ -31,21 +31,15 @@ import torch.distributed as dist
 
 from sq.dist import broadcast_object
 from sq.errors import DistError, SqError
+from sq.load.source import INDEX_NAME, SIDE_FILES, SINGLE_NAME
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-# What transformers reads next to the weights (config, generation config, every tokenizer
-# format it knows); none of these is pickle.
-SIDE_FILES = (
-    "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
-METADATA_PATTERNS = (*SIDE_FILES, INDEX_NAME, SINGLE_NAME)
+# config.json and what transformers reads next to the weights (SIDE_FILES: generation config,
+# every tokenizer format it knows, the same list sq copies into its output); none of these is pickle.
+METADATA_PATTERNS = ("config.json", *SIDE_FILES, INDEX_NAME, SINGLE_NAME)
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
 
 Downloader = Callable[..., str]  # huggingface_hub.snapshot_download's signature

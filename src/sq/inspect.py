@@ -20,22 +20,34 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus_dist, tokenize_corpus
-from sq.cli import ArgParser, run_cli
+from sq.cli import ArgParser, positive_seconds, run_cli
 from sq.dist import init_distributed, setup_logging
 from sq.memory import io_read_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 
+DESCRIPTION = """\
+Load a checkpoint sharded over the ranks (as sq.ptq does) and report, per rank, the
+shard bytes it holds, the disk bytes it read, its memory rise and load time; with
+--ppl, also the sharded model's perplexity. Run it under torchrun."""
+
 
 def build_parser() -> ArgParser:
-    p = ArgParser(prog="python -m sq.inspect", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint folder, hub id, or demo:smollm2 / demo:tiny-moe")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the world size)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
-    p.add_argument("--ppl", action="store_true", help="also score the sharded model's perplexity")
-    p.add_argument("--dataset", default=BUILTIN_PYDOC)
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--nwindows", type=int, default=8, help="score the last N windows of the corpus")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
+    p = ArgParser(prog="torchrun -m sq.inspect", description=DESCRIPTION)
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder, Hugging Face hub id org/name, or demo:smollm2 / demo:tiny-moe")
+    p.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel degree (divides the world size)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
+                   help="dtype the model is built and filled in")
+    p.add_argument("--ppl", action="store_true", help="also score the sharded model's perplexity, data-parallel")
+    p.add_argument("--dataset", default=BUILTIN_PYDOC, metavar="SPEC",
+                   help="corpus for --ppl: builtin:pydoc, a .txt/.jsonl/.parquet file, or a hub dataset "
+                        "org/name[:split] (docs/data.md)")
+    p.add_argument("--seqlen", type=int, default=512, metavar="N", help="window length for --ppl")
+    p.add_argument("--nwindows", type=int, default=8, metavar="N",
+                   help="score the last N windows of the corpus (--ppl)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the checkpoint's own modeling code (only if you trust its author)")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, metavar="SECONDS",
+                   help="collective timeout: a dead or hung rank ends the job instead of hanging it")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
     return p
 
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.ppl:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         tokens = tokenize_corpus(tokenizer, read_corpus_dist(args.dataset).text(tokenizer))
         windows = eval_windows(tokens, args.nwindows, args.seqlen)
         report["perplexity"] = round(sharded_perplexity(model, windows, env.rank, env.world_size), 3)

@@ -5,30 +5,52 @@ from __future__ import annotations
 import argparse
 import os
 
-from sq.cli import ArgParser, run_cli
+from sq.cli import ArgParser, positive_seconds, run_cli
 from sq.quant.schemes import SCHEME_NAMES
+
+DESCRIPTION = """\
+Quantize a Hugging Face safetensors checkpoint into a compressed-tensors checkpoint
+(loadable by vLLM and transformers), block by block, each rank holding and reading
+only its shard. Run it under torchrun for several ranks, or with python -m for one."""
+EPILOG = """examples:
+  torchrun --nproc-per-node 4 -m sq.ptq --model org/name --output out/w4a16
+  python -m sq.ptq --model demo:smollm2 --output out/smollm2-w4 --group-size 64 --algo rtn
+
+A refusal prints 'sq: error: ...' (one line per problem, on every rank) and exits 2.
+Reference: docs/cli.md; every refusal and its fix: docs/troubleshooting.md."""
 
 
 def build_parser() -> ArgParser:
     from sq.quant.blockwise import ALGOS
 
-    p = ArgParser(prog="torchrun -m sq.ptq", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint folder, hub id org/name, or demo:NAME")
-    p.add_argument("--output", required=True, help="new or empty output folder")
-    p.add_argument("--scheme", default="W4A16", type=str.upper, choices=SCHEME_NAMES)
-    p.add_argument("--algo", default="gptq", choices=ALGOS)
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--nsamples", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", default="builtin:pydoc")
+    p = ArgParser(prog="torchrun -m sq.ptq", description=DESCRIPTION, epilog=EPILOG)
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder, Hugging Face hub id org/name (rank 0 downloads config, tokenizer and "
+                        "safetensors only), or demo:smollm2 / demo:tiny-moe")
+    p.add_argument("--output", required=True,
+                   help="new or empty output folder, or the folder of an unfinished run to resume")
+    p.add_argument("--scheme", default="W4A16", type=str.upper, choices=SCHEME_NAMES, metavar="SCHEME",
+                   help=f"quantization scheme for every Linear: {', '.join(SCHEME_NAMES)}")
+    p.add_argument("--algo", default="gptq", choices=ALGOS,
+                   help="rtn: round to nearest (no data); gptq: Hessians from calibration data; signround: "
+                        "tuned rounding and clipping per block (docs/signround.md)")
+    p.add_argument("--group-size", type=int, default=128, metavar="N",
+                   help="columns per quantization group; must divide every quantized layer's input width")
+    p.add_argument("--nsamples", type=int, default=128, metavar="N",
+                   help="calibration windows, split across ranks (gptq, signround)")
+    p.add_argument("--seqlen", type=int, default=512, metavar="N", help="tokens per calibration window")
+    p.add_argument("--seed", type=int, default=0, help="random seed (part of the resume signature)")
+    p.add_argument("--dataset", default="builtin:pydoc", metavar="SPEC",
+                   help="calibration text: builtin:pydoc, a .txt/.jsonl/.parquet file, or a hub dataset "
+                        "org/name[:split] (docs/data.md)")
     p.add_argument("--ignore", nargs="*", default=[], metavar="REGEX",
-                   help="Linear module names (re.search) left unquantized")
+                   help="Linear module names (re.search) left unquantized (default: none)")
     p.add_argument("--recipe", default=None, metavar="FILE",
                    help="mixed precision: YAML/JSON of ordered regex -> scheme rules and a default "
-                        "(docs/recipes.md)")
-    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the world size)")
+                        "(docs/recipes.md; default: --scheme for every Linear)")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, metavar="SECONDS",
+                   help="collective timeout: a dead or hung rank ends the job instead of hanging it")
+    p.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel degree (divides the world size)")
     p.add_argument("--no-calibrate-all-experts", dest="calibrate_all", action="store_false",
                    help="feed each expert's Hessian only the tokens routed to it (default: every token)")
     p.add_argument("--resume", default="auto", choices=("auto", "never", "require"),
@@ -37,9 +59,14 @@ def build_parser() -> ArgParser:
     p.add_argument("--actorder", default="static", choices=("static", "off"),
                    help="GPTQ column order: static act-order (descending Hessian diagonal, scales fixed up "
                         "front, as llm-compressor) or off (natural order)")
-    p.add_argument("--iters", type=int, default=200, help="SignRound: signed-gradient steps per block")
-    p.add_argument("--lr", type=float, default=None, help="SignRound: step size (default 1/iters, decaying linearly)")
-    p.add_argument("--batch-size", type=int, default=8, help="SignRound: calibration samples per step, over all ranks")
+    p.add_argument("--iters", type=int, default=200, metavar="N", help="SignRound: signed-gradient steps per block")
+    p.add_argument("--lr", type=float, default=None,
+                   help="SignRound: step size (default: 1/iters, decaying linearly)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="SignRound: calibration samples per step, over all ranks")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="leave Linears whose weights hold NaN/Inf unquantized (listed in the config's ignore) "
+                        "instead of refusing the run")
     p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
     return p
 
@@ -53,6 +80,7 @@ def parse_args(argv=None):
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, actorder=a.actorder == "static",
                      iters=a.iters, lr=a.lr, batch_size=a.batch_size, bookkeeping=a.bookkeeping,
+                     skip_nonfinite=a.skip_nonfinite,
                      fault=os.environ.get("SQ_FAULT"))
 
 

@@ -15,9 +15,10 @@ import math
 import sys
 from pathlib import Path
 
+from sq.export.writer import LOG_DIR
+
 logger = logging.getLogger("sq.report")
 
-LOG_DIR = "sq_logs"
 FILE_ONLY = {"file_only": True}  # ``extra=`` for records the terminal already shows another way
 
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -155,6 +156,18 @@ def signature_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def describe_diff(changed: list[str], limit: int = 8) -> str:
+    """``signature_diff``'s names for a message: a section with many changed fields (a whole
+    assignment, another model's source) is named once with its count, so nothing important is cut."""
+    groups: dict[str, list[str]] = {}
+    for name in changed:
+        groups.setdefault(name.split(".")[0], []).append(name)
+    parts = []
+    for top, names in groups.items():
+        parts += names if len(names) <= 2 else [f"{top}.* ({len(names)} fields)"]
+    return ", ".join(parts[:limit] + ([f"... {len(parts) - limit} more"] if len(parts) > limit else []))
+
+
 # ---------------------------------------------------------------- run state
 
 
@@ -171,52 +184,88 @@ class RunState:
 
     # -- whole-run files (rank 0 writes them)
     def read_signature(self) -> dict | None:
+        """The unfinished run's signature, or None where there is none.
+
+        Raises ``SqError`` when ``run.json`` is unreadable, not the shape sq writes, or edited
+        (its stored sha256 no longer matches): such a run can only be started over.
+        """
         p = self.root / "run.json"
         if not p.is_file():
             return None
-        try:
-            return json.loads(p.read_text())["signature"]
-        except (json.JSONDecodeError, KeyError):
-            raise SqError(f"{p} is corrupt; rerun with --resume never to start over") from None
+        sig = read_signed_json(p, "signature")
+        if sig is None:
+            raise SqError(f"{p} is corrupt or was edited (not the signature sq wrote); rerun with --resume never "
+                          "to start over")
+        return sig
 
     def write_signature(self, sig: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"signature": sig, "sha256": sha256_bytes(json.dumps(sig, sort_keys=True).encode())},
-                          indent=2, sort_keys=True)
-        write_bytes_atomic(self.root / "run.json", text.encode())
+        write_bytes_atomic(self.root / "run.json", signed_json("signature", sig))
 
     def take_lock(self) -> None:
-        """Refuse a second live run on this folder; take over a dead one's lock with a warning."""
+        """Hold this folder for the life of the process, or refuse.
+
+        Same host: an exclusive ``flock`` on ``.sq-run/lock``, held open until the process ends (the
+        kernel drops it when the process dies, so a killed run never leaves a live lock).  Across
+        hosts (a shared filesystem whose locks may not reach other nodes): the pid/host record
+        written into the file, as before; a requeued Slurm job takes over its own lock.
+        """
+        import fcntl
+
+        if getattr(self, "_lock_fd", None) is not None:  # taken again by the same run: start afresh
+            os.close(self._lock_fd)
+            self._lock_fd = None
         self.root.mkdir(parents=True, exist_ok=True)
         lock = self.root / "lock"
         me = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
-        if lock.is_file():
-            try:
-                held = json.loads(lock.read_text())
-            except json.JSONDecodeError:
-                held = {}
-            if held.get("host") == me["host"] and _alive(held.get("pid")) and held.get("pid") != me["pid"]:
-                raise SqError(f"{self.out} is being written by another sq run (pid {held['pid']} on {held['host']}); "
-                              "wait for it or stop it")
-            requeued = held.get("slurm_job_id") is not None and held.get("slurm_job_id") == me["slurm_job_id"]
-            if requeued and held.get("host") != me["host"]:
-                # the same Slurm job, requeued onto other nodes: Slurm ended the previous incarnation
-                logger.warning("taking over the lock of Slurm job %s's previous run (pid %s on %s)",
-                               held["slurm_job_id"], held.get("pid"), held.get("host"))
-            elif held.get("host") not in (None, me["host"]):
-                raise SqError(f"{self.out} is locked by a run on host {held['host']} (pid {held.get('pid')}); "
-                              f"if that run is dead, delete {lock}")
-            else:
-                logger.warning("taking over the stale lock of dead run pid %s on %s", held.get("pid"), held.get("host"))
-        write_bytes_atomic(lock, json.dumps(me).encode())
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held = _read_lock(fd)
+            os.close(fd)
+            raise SqError(f"{self.out} is being written by another sq run (pid {held.get('pid')} on "
+                          f"{held.get('host')}); wait for it or stop it") from None
+        held = _read_lock(fd)
+        requeued = held.get("slurm_job_id") is not None and held.get("slurm_job_id") == me["slurm_job_id"]
+        if held.get("host") not in (None, me["host"]) and not requeued:
+            os.close(fd)
+            raise SqError(f"{self.out} is locked by a run on host {held['host']} (pid {held.get('pid')}); "
+                          f"if that run is dead, delete {lock}")
+        if held.get("pid") not in (None, me["pid"]):
+            logger.warning("taking over the lock of %s run pid %s on %s",
+                           "Slurm job %s's previous" % held["slurm_job_id"] if requeued else "dead",
+                           held.get("pid"), held.get("host"))
+        data = json.dumps(me).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+        self._lock_fd = fd  # held until the process ends (never closed: closing would drop the lock)
 
-    def clear(self) -> None:
-        """``--resume never``: remove the run folder and every file a previous run wrote."""
-        for p in self.out.iterdir():
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+    def clear(self, owned) -> list[str]:
+        """``--resume never`` / replacing a run: remove what sq wrote (``owned(name)``), nothing else.
+
+        The lock file stays (this process holds it).  Returns the names removed.
+        """
+        removed = []
+        for p in sorted(self.out.iterdir()):
+            if p.name == RUN_DIR:
+                for q in p.iterdir():
+                    if q.name != "lock":
+                        _remove(q)
+                removed.append(RUN_DIR)
+            elif owned(p.name):
+                _remove(p)
+                removed.append(p.name)
+        return removed
+
+    def any_block_done(self) -> bool:
+        """Whether any rank's manifest records a completed block (worth keeping for a resume)."""
+        for m in self.root.glob("rank-*/manifest.json"):
+            manifest = _valid_manifest(_read_json(m))
+            if manifest is not None and manifest["blocks"]:
+                return True
+        return False
 
     def finish(self) -> None:
         """After the final index and config exist: the run folder goes."""
@@ -224,15 +273,16 @@ class RunState:
 
     # -- this rank's manifest and chain
     def load_manifest(self) -> None:
+        """Read this rank's manifest; one that is unreadable or not the shape sq writes is ignored
+        (its blocks are redone), never trusted."""
         p = self.dir / "manifest.json"
         if not p.is_file():
             return
-        try:
-            m = json.loads(p.read_text())
-            assert isinstance(m["blocks"], list)
-            self.manifest = m
-        except (json.JSONDecodeError, KeyError, AssertionError):
+        manifest = _valid_manifest(_read_json(p))
+        if manifest is None or manifest.get("rank") != self.rank:
             logger.warning("rank %d: manifest %s is corrupt; its blocks will be redone", self.rank, p)
+            return
+        self.manifest = manifest
 
     def verified_blocks(self) -> int:
         """Length of the prefix of recorded blocks whose files all verify (in order 0, 1, ...)."""
@@ -287,9 +337,14 @@ class RunState:
         t = st_load((self.dir / self.chain_name(block)).read_bytes())
         return [t[k] for k in sorted(t) if k[0] == "h"], [t[k] for k in sorted(t) if k[0] == "f"]
 
-    def record_block(self, block: int, files: dict[str, dict], fault: Fault | None = None) -> None:
-        """Mark ``block`` done (after its files and chain are in place); keep the last two chains."""
-        self.manifest["blocks"].append({"block": block, "files": files})
+    def record_block(self, block: int, files: dict[str, dict], fault: Fault | None = None,
+                     skipped: list[str] = ()) -> None:
+        """Mark ``block`` done (after its files and chain are in place); keep the last two chains.
+        ``skipped``: Linears of the block left unquantized for NaN/Inf (the final config lists them)."""
+        entry = {"block": block, "files": files}
+        if skipped:
+            entry["skipped_nonfinite"] = list(skipped)
+        self.manifest["blocks"].append(entry)
         for b in list(self.manifest.get("chains", {})):
             if int(b) < block:  # chains of blocks <= block-1 can go (ranks differ by at most one block)
                 del self.manifest["chains"][b]
@@ -304,13 +359,77 @@ class RunState:
         write_bytes_atomic(self.dir / "manifest.json", data, die_midway=die)
 
 
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return False
+def signed_json(key: str, obj: dict) -> bytes:
+    """``{key: obj, key_sha256: ...}``: a file sq can tell apart from one edited by hand."""
+    return json.dumps({key: obj, f"{key}_sha256": signature_sha(obj)}, indent=2, sort_keys=True).encode()
+
+
+def signature_sha(obj: dict) -> str:
+    return sha256_bytes(json.dumps(obj, sort_keys=True).encode())
+
+
+def read_signed_json(path: Path, key: str) -> dict | None:
+    """``obj`` of a file written by ``signed_json``; None if unreadable, malformed or edited."""
+    doc = _read_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), dict):
+        return None
+    if doc.get(f"{key}_sha256") != signature_sha(doc[key]):
+        return None
+    return doc[key]
+
+
+def _read_json(path: Path):
+    """Parsed JSON, or None for anything unreadable (binary, truncated, a folder, ...)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        with open(path, "rb") as f:
+            return json.loads(f.read(64 << 20).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+_RECORD_FILE = re.compile(r"^model-rank\d{5}-(root|block\d{5})\.safetensors$")
+
+
+def _valid_file_record(name, rec) -> bool:
+    return (isinstance(name, str) and _RECORD_FILE.match(name) is not None and isinstance(rec, dict)
+            and isinstance(rec.get("size"), int) and not isinstance(rec.get("size"), bool)
+            and (rec.get("sha256") is None or (isinstance(rec.get("sha256"), str) and _SHA.match(rec["sha256"])))
+            and isinstance(rec.get("tensors"), list) and all(isinstance(t, str) for t in rec["tensors"]))
+
+
+def _valid_manifest(m) -> dict | None:
+    """``m`` if it has the shape ``record_block`` writes (file names are sq's own shard names, so a
+    forged entry can never bring a path from outside the folder into the index), else None."""
+    if not isinstance(m, dict) or not isinstance(m.get("blocks"), list):
+        return None
+    for entry in m["blocks"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("block"), int) and isinstance(entry.get("files"), dict)
+                and all(_valid_file_record(f, r) for f, r in entry["files"].items())
+                and isinstance(entry.get("skipped_nonfinite", []), list)
+                and all(isinstance(n, str) for n in entry.get("skipped_nonfinite", []))):
+            return None
+    chains = m.get("chains", {})
+    if not isinstance(chains, dict) or not all(
+            isinstance(b, str) and b.isdigit() and isinstance(r, dict) and isinstance(r.get("size"), int)
+            and isinstance(r.get("sha256"), str) for b, r in chains.items()):
+        return None
+    return m
+
+
+def _read_lock(fd: int) -> dict:
+    """The holder recorded in an open lock file ({} when empty or not what sq writes)."""
+    try:
+        held = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(held, dict):
+        return {}
+    return {k: v for k, v in held.items() if k in ("pid", "host", "slurm_job_id") and isinstance(v, (int, str))}
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()

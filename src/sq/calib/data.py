@@ -272,6 +272,58 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# ----------------------------------------------------------------------------- tokenizer
+
+# the files a Hugging Face tokenizer is read from (at least one of them must be there)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "special_tokens_map.json")
+
+
+def load_tokenizer(root, model=None, *, purpose: str = "the calibration data is tokenized with it", **kwargs):
+    """The tokenizer of the checkpoint folder ``root``, checked against ``model``'s input embedding.
+
+    Decided from the folder's files and the model's config alone, so every rank that calls it
+    gets the same tokenizer or the same error.  ``kwargs`` go to ``AutoTokenizer.from_pretrained``.
+
+    Raises:
+        SqError: ``root`` has no tokenizer files; transformers cannot load them; or the tokenizer
+            has token ids the embedding has no row for (they would index past it in the forward).
+    """
+    from transformers import AutoTokenizer
+
+    root = Path(root)
+    if root.is_dir() and not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise SqError(f"{root} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...) but {purpose}; copy "
+                      "the tokenizer files of these weights into the folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(root, **kwargs)
+    except Exception as e:  # noqa: BLE001 - untrusted files: whatever transformers trips on is their problem
+        raise SqError(f"cannot load the tokenizer in {root} ({type(e).__name__}: {_one_line(e)}); {purpose}, so "
+                      "it must be the tokenizer these weights were trained with") from None
+    rows = _embedding_rows(model)
+    if rows is not None:
+        try:
+            top = max(tokenizer.get_vocab().values(), default=-1)
+        except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: its length is the best guess
+            top = len(tokenizer) - 1
+        if top >= rows:
+            raise SqError(f"the tokenizer in {root} has {top + 1} tokens (ids up to {top}) but the model's input "
+                          f"embedding has only {rows} rows (config.json vocab_size): token ids >= {rows} would index "
+                          "past it; use the tokenizer that came with these weights")
+    return tokenizer
+
+
+def _embedding_rows(model) -> int | None:
+    """Rows of ``model``'s input embedding (a meta model is fine), or None if it has no such method."""
+    if model is None:
+        return None
+    try:
+        emb = model.get_input_embeddings()
+        return int(emb.weight.shape[0])
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
 # ----------------------------------------------------------------------------- windows
 
 def tokenize_corpus(tokenizer, text: str) -> torch.Tensor:

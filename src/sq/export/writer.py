@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -21,11 +22,15 @@ import torch
 from safetensors import safe_open
 
 from sq.errors import SqError
-from sq.resume import fsync_dir, safetensors_bytes, sha256_bytes, write_bytes_atomic
+from sq.load.source import SIDE_FILES, open_checked
+from sq.resume import RUN_DIR, fsync_dir, read_signed_json, safetensors_bytes, sha256_bytes, write_bytes_atomic
 
 __all__ = [
     "INDEX_NAME",
     "output_dir_problems",
+    "output_path_problems",
+    "written_by_sq",
+    "finished_signature",
     "shard_name",
     "write_tensors",
     "write_json",
@@ -34,20 +39,69 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
-# files next to the weights that a loader needs besides config.json
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-              "chat_template.json")
+# SIDE_FILES (files next to the weights that a loader needs besides config.json) is defined once,
+# in sq.load.source, and imported above
+
+
+REPORT_NAME = "sq_report.json"
+REPORT_PNG = "sq_report.png"
+CARRIED_NAME = "model-carried.safetensors"
+LOG_DIR = "sq_logs"
+_SHARD = re.compile(r"^model-rank\d{5}-(root|block\d{5})\.safetensors$")
+
+
+def written_by_sq(name: str) -> bool:
+    """Whether a top-level name in an output folder is one sq writes (or its temp file).
+
+    ``--resume never`` and replacing a run remove exactly these: a user's ``NOTES.md`` or
+    ``eval-results/`` next to them stays.
+    """
+    if name.startswith(".") and name.endswith(".tmp"):
+        name = name[1:-4]
+    return (name in (INDEX_NAME, "config.json", REPORT_NAME, REPORT_PNG, CARRIED_NAME, LOG_DIR, RUN_DIR, *SIDE_FILES)
+            or _SHARD.match(name) is not None)
+
+
+def output_path_problems(out: str | Path, model_dir: str | Path | None = None) -> list[str]:
+    """Refuse an ``--output`` that cannot be a folder sq writes into, whatever it holds:
+    a file, a link to nowhere, a path under a file, a read-only place, the model's own folder."""
+    out = Path(out)
+    if out.is_symlink() and not out.exists():
+        return [f"--output {out} is a symbolic link to {os.readlink(out)!r}, which does not exist"]
+    if out.exists() and not out.is_dir():
+        return [f"--output {out} exists and is not a directory"]
+    first = out
+    while not first.exists():  # the nearest existing ancestor is where the folder will be made
+        if first.parent == first:
+            break
+        first = first.parent
+    if first.exists() and not first.is_dir():
+        return [f"--output {out}: {first} is a file, so no folder can be made under it"]
+    if first.exists() and not os.access(first, os.W_OK | os.X_OK):
+        return [f"--output {out}: {first} is not writable (read-only filesystem or no permission)"]
+    if model_dir is not None:
+        m, o = Path(model_dir).resolve(), out.resolve()
+        if o == m or m in o.parents or o in m.parents:
+            what = "is" if o == m else ("is inside" if m in o.parents else "contains")
+            return [f"--output {out} {what} the model folder {model_dir}; sq never writes into its source: "
+                    "choose a separate folder"]
+    return []
 
 
 def output_dir_problems(out: str | Path) -> list[str]:
-    """Refuse an output folder that is a file or already holds anything (never overwrite)."""
+    """Refuse an output folder that already holds anything (never overwrite)."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        return [f"--output {out} exists and is not a directory"]
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(p.name != RUN_DIR for p in out.iterdir()):
         return [f"--output {out} is not empty; choose a new or empty directory"]
     return []
+
+
+def finished_signature(out: str | Path) -> dict | None:
+    """The run signature a finished sq output records in its report (None if not an sq output)."""
+    out = Path(out)
+    if not (out / INDEX_NAME).is_file() or not (out / REPORT_NAME).is_file():
+        return None
+    return read_signed_json(out / REPORT_NAME, "run_signature")
 
 
 def shard_name(rank: int, block: int | None) -> str:
@@ -102,14 +156,24 @@ def write_json(path: Path, obj) -> None:
 
 
 def copy_side_files(src: Path, out: Path) -> list[str]:
-    """Tokenizer files and generation_config.json, copied as they are."""
+    """Tokenizer files and generation_config.json, copied as they are.
+
+    Each is opened by ``sq.load.source.open_checked``: a link that leaves the checkpoint folder
+    (other than a hub-cache blob) is refused, not followed, even if it appeared after the scan.
+    """
     copied = []
     for name in SIDE_FILES:
         p = Path(src) / name
         if p.is_file():
-            _atomic(Path(out) / name, lambda tmp, p=p: shutil.copyfile(p, tmp))
+            with open_checked(src, name) as f:
+                _atomic(Path(out) / name, lambda tmp, f=f: _copy_stream(f, tmp))
             copied.append(name)
     return copied
+
+
+def _copy_stream(f, dest: Path) -> None:
+    with open(dest, "wb") as g:
+        shutil.copyfileobj(f, g)
 
 
 def merge_index(out: Path, fragments: list[Mapping[str, str]], *, before_write=None) -> dict:

@@ -25,7 +25,7 @@ from sq.load.fill import SqStorageReader, dcp_read, module_of, requests_for, set
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
-from sq.load.meta import build_skeleton, config_problems, decoder_blocks
+from sq.load.meta import build_skeleton, config_problems, decoder_blocks, tokenizer_problems
 from sq.load.source import CheckpointSource, scan_checkpoint
 from sq.parallel.fsdp import apply_parallel, root_param_problems
 
@@ -133,6 +133,7 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
     problems = list(source.problems)
     problems += config_problems(source.config, source.root, trust_remote_code=trust_remote_code,
                                 allow_quantized=allow_quantized)
+    problems += tokenizer_problems(source.root, trust_remote_code=trust_remote_code)
     fp8, fp8_problems = detect_fp8(source)
     if not allow_quantized:
         problems += fp8_problems

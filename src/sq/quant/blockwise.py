@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
+from sq.calib.data import calibration_windows, load_tokenizer, read_corpus_dist, tokenize_corpus
 from sq.hub import resolve_model_dist
-from sq.dist import ParallelDims, all_ok
+from sq.dist import ParallelDims, all_ok, broadcast_object
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
@@ -46,7 +46,8 @@ from sq.quant.schemes import QuantScheme, check_group_size
 from sq.quant.signround import SignRoundConfig, Slot, dim0_counts, tune_block, unsharded
 from sq.quant.weights import CheckpointWeights
 from sq.report import LOG_DIR, add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
-from sq.resume import RUN_DIR, Fault, RunState, maybe_die, sha256_bytes, signature_diff
+from sq.resume import (RUN_DIR, Fault, RunState, describe_diff, maybe_die, sha256_bytes, signature_diff,
+                       signature_sha)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class PTQConfig:
     lr: float | None = None  # SignRound step size (None: 1 / iters, decaying linearly)
     batch_size: int = 8  # SignRound samples per step, over all ranks
     resume: str = "auto"  # auto | never | require
+    skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
 
@@ -94,6 +96,8 @@ class PTQConfig:
             v = getattr(self, flag)
             if v <= 0:
                 out.append(f"--{flag} must be positive, got {v}")
+        if not 0 < self.timeout_s < float("inf"):  # NaN fails too; the collective timeout is a timedelta
+            out.append(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.algo == "signround":
             out += self.signround.problems()
             if self.ep > 1:
@@ -123,7 +127,9 @@ class PTQConfig:
         """The arguments a resumed run must share (not where to write, how to launch, or faults)."""
         d = self.to_dict()
         # the recipe's content (rules and the resolved assignment) is in the signature, not its path
-        for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe"):
+        # skip_nonfinite decides only what happens to a non-finite weight, which refuses the run
+        # without it: a rerun that adds the flag continues the blocks already done
+        for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite"):
             d.pop(k)
         if self.algo != "signround":
             for k in SignRoundConfig.__dataclass_fields__:
@@ -328,6 +334,33 @@ def _err_terms(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor | None) -> li
     return [float(((d64 @ H) * d64).sum()), float(((w64 @ H) * w64).sum())]
 
 
+def _nonfinite(linears: list[_Linear], experts, device) -> list[str]:
+    """The block's quantized weights holding NaN or Inf on any rank (collective; the same list on every rank)."""
+    names = [l.name for l in linears] + [f"{e}.{p}" for e, _, _ in experts for p in FUSED]
+    if not names:
+        return []
+    local = [local_box(l.module.weight)[0] for l in linears]
+    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in FUSED]
+    flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [n for n, f in zip(names, flags.tolist()) if f]
+
+
+def _nonfinite_refusal(bad: list[str], linears: list[_Linear], weights, skip: bool) -> list[str]:
+    """Refusals for non-finite weights ([] where ``--skip-nonfinite`` may leave them unquantized)."""
+    dense = {l.name for l in linears}
+    problems = []
+    for n in bad:
+        if n in dense and not skip:
+            problems.append(f"{n}.weight (checkpoint key {weights.ckpt_name(n + '.weight')!r}) holds NaN or Inf "
+                            "values: its scales would be NaN. Fix the checkpoint, or pass --skip-nonfinite to leave "
+                            "such Linears unquantized")
+        elif n not in dense:
+            problems.append(f"{n} holds NaN or Inf values in some experts; --skip-nonfinite leaves dense Linears "
+                            "only: fix the checkpoint, or leave these experts out with --ignore / a recipe")
+    return problems
+
+
 def _raise_enospc() -> None:
     raise OSError(28, "No space left on device (injected)")
 
@@ -480,10 +513,6 @@ def quantize_model(cfg: PTQConfig) -> dict:
     world = dist.get_world_size()
     device = _device()
     _raise_all(cfg.problems(), "argument checks")
-    out = Path(cfg.output)
-    if (out / writer.INDEX_NAME).is_file() and not (out / RUN_DIR).exists():
-        logger.info("%s is already complete (it has %s); nothing to do", out, writer.INDEX_NAME)
-        return {"complete": True}
     assigner, problems = None, []
     try:
         assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe)
@@ -497,18 +526,67 @@ def quantize_model(cfg: PTQConfig) -> dict:
     weights = CheckpointWeights(model, plan, src, device)
     text = tokenizer = None
     if cfg.algo in CALIBRATED:  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(src)
+        tokenizer = load_tokenizer(src, model, purpose=f"--algo {cfg.algo} tokenizes its calibration data with it",
+                                   trust_remote_code=False)  # auto_map: refused by plan_load
         text = read_corpus_dist(cfg.dataset).text(tokenizer)
 
+    # the windows are cut before the output folder is touched: a corpus too short for
+    # --nsamples x --seqlen is refused like every other argument (every rank, same tokens)
+    calib = calibration_windows(tokenize_corpus(tokenizer, text), cfg.nsamples, cfg.seqlen) if text is not None else None
+
     def windows() -> torch.Tensor:
-        return calibration_windows(tokenize_corpus(tokenizer, text), cfg.nsamples, cfg.seqlen)
+        return calib
 
     data = {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None}
     return _run(cfg, model, weights, assigner, data, windows,
                 parallelize=lambda: apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type)),
                 t_start=t_start)
+
+
+def _output_verdict(out: Path, sig: dict, resume: str, state: RunState) -> dict:
+    """What to do with ``--output`` (rank 0, read-only): ``{"action", "problems"}``.
+
+    action: ``fresh`` (empty or new), ``resume`` (an unfinished run of the same signature),
+    ``replace`` (remove what sq wrote there, keep anything else, start over), ``complete``
+    (a finished output of the same signature).  Completion and resumption are decided from the
+    stored signature, never from the mere presence of files.
+    """
+    def verdict(action, *problems):
+        return {"action": action, "problems": list(problems)}
+
+    again = "rerun with the same command, or pass --resume never to start over"
+    try:
+        unfinished = state.read_signature()
+    except SqError as e:
+        return verdict("replace") if resume == "never" else verdict("refuse", *e.problems)
+    if unfinished is not None:
+        if resume == "never":
+            return verdict("replace")
+        changed = signature_diff(unfinished, sig)
+        if not changed:
+            return verdict("resume")
+        if not state.any_block_done():  # nothing worth keeping: a refused or failed start
+            logger.info("%s holds an unfinished run with other settings that completed no block; starting over", out)
+            return verdict("replace")
+        return verdict("refuse", f"{out} holds an unfinished run with different settings ({describe_diff(changed)}); "
+                                 f"{again}")
+    if resume == "require":
+        return verdict("refuse", f"--resume require: {out} holds no run to resume")
+    finished = writer.finished_signature(out)
+    if finished is not None:
+        changed = signature_diff(finished, sig)
+        if resume == "never":
+            return verdict("replace")
+        if not changed:
+            return verdict("complete")
+        return verdict("refuse", f"{out} holds a finished sq checkpoint made with different settings "
+                                 f"({describe_diff(changed)}); choose another folder, or pass --resume never to replace it")
+    problems = writer.output_dir_problems(out)  # anything but .sq-run/ there: never overwritten
+    if problems:
+        return verdict("refuse", *problems)
+    if (out / RUN_DIR).is_dir() and any(p.name != "lock" for p in (out / RUN_DIR).iterdir()):
+        return verdict("replace")  # a run folder that never got a signature (killed while starting)
+    return verdict("fresh")
 
 
 @torch.no_grad()
@@ -520,7 +598,6 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
     out = Path(cfg.output)
     fault = Fault.parse(cfg.fault)
     state = RunState(out, rank, enabled=cfg.bookkeeping)
-    old_sig = state.read_signature()
 
     # ---- refusals: model, output folder; nothing mutated yet
     problems = _refusals(model, cfg, assigner)
@@ -549,27 +626,30 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
     if not assignment:
         problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
     sig = _signature(cfg, assigner, assignment, weights, data, world, [p for p, _ in blocks])
-    if old_sig is None:
-        problems += writer.output_dir_problems(out)
-        if cfg.resume == "require":
-            problems.append(f"--resume require: {out} holds no run to resume")
-    elif cfg.resume != "never":
-        changed = signature_diff(old_sig, sig)
-        if changed:
-            shown = changed[:8] + ([f"... {len(changed) - 8} more"] if len(changed) > 8 else [])
-            problems.append(f"{out} holds an unfinished run with different settings ({', '.join(shown)}); "
-                            "rerun with the same command, or pass --resume never to start over")
-    _raise_all(problems, "model and output checks")  # every rank has looked at the folder before it changes
+    problems += writer.output_path_problems(out, getattr(weights, "src", None))
+    _raise_all(problems, "model and output checks")
+    # rank 0 alone reads the folder and decides; every rank raises the same problems or none does
+    verdict = broadcast_object(_output_verdict(out, sig, cfg.resume, state) if rank == 0 else None)
+    _raise_all(verdict["problems"], "output folder checks")
+    if verdict["action"] == "complete":
+        logger.info("%s is already complete (same model and settings); nothing to do", out)
+        return {"complete": True}
+    problems = []
     if rank == 0:
         try:
-            if old_sig is not None and cfg.resume == "never":
-                state.clear()
-                old_sig = None
             state.take_lock()
-            if old_sig is None:
+            # under the lock, the folder must still be what the verdict was made from
+            if _output_verdict(out, sig, cfg.resume, state) != verdict:
+                raise SqError(f"{out} changed while this run was starting (another sq run?); run the command again")
+            if verdict["action"] == "replace":
+                removed = state.clear(writer.written_by_sq)
+                logger.info("removed the previous run's files from %s: %s", out, ", ".join(removed) or "none")
+            if verdict["action"] != "resume":
                 state.write_signature(sig)
         except SqError as e:
             problems += e.problems
+        except OSError as e:
+            problems.append(f"cannot write to --output {out}: {e.strerror or e}")
     _raise_all(problems, "taking the output folder")
     log_file = add_log_file(out / LOG_DIR / f"rank-{rank:05d}.log")
     logger.info("quantizing %s -> %s on %d rank(s): %d Linears, %d expert groups", weights.describe(), out,
@@ -585,6 +665,10 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
     dist.all_gather_object(points, state.restart_points(need_chain=cfg.algo in CALIBRATED, n_blocks=len(blocks)))
     start = max(set.intersection(*(set(p) for p in points)))
     fragments: dict[str, str] = state.truncate(start)
+    # Linears an earlier run of this job left unquantized for NaN/Inf (written raw in their block)
+    skipped_nonfinite = [n for entry in state.manifest["blocks"] for n in entry.get("skipped_nonfinite", [])]
+    for b, ls in enumerate(block_linears):
+        block_linears[b] = [l for l in ls if l.name not in skipped_nonfinite]
     if start:
         logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, len(blocks))
 
@@ -618,6 +702,14 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         names = weights.block_names(b)
         weights.fill(names)
         phase["fill"] = time.perf_counter() - t0
+        bad = _nonfinite(linears, experts, device)
+        if bad:  # every rank has the same list: they refuse together, or skip the same Linears
+            refused = _nonfinite_refusal(bad, linears, weights, cfg.skip_nonfinite)
+            if refused:
+                raise SqError(refused)
+            logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
+            linears = block_linears[b] = [l for l in linears if l.name not in bad]
+            skipped_nonfinite += bad
 
         # Hessians: dense Linears summed over all ranks' tokens; experts at their owner
         counting, calibs = None, []
@@ -736,7 +828,7 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
         t_book = time.perf_counter()
         if cfg.algo in CALIBRATED and b + 1 < len(blocks):
             state.write_chain(b + 1, [h for h, _ in inputs], [h for h, _ in fp_inputs] if signround else None)
-        state.record_block(b, {shard: rec} if rec else {}, fault)
+        state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
         book_s = book.get("checksum", 0.0) + time.perf_counter() - t_book
         weights.free(names)
         del results, expert_q, tensors, counting, calibs
@@ -778,6 +870,7 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
     if rank == 0:
         try:
             groups = _config_groups(block_linears, block_experts, weights)
+            unquantized = sorted({*unquantized, *skipped_nonfinite})
             report = {
                 "args": cfg.to_dict(),
                 "source": weights.describe(),
@@ -793,9 +886,12 @@ def _run(cfg: PTQConfig, model: nn.Module, weights, assigner: Assigner, data: di
                 "layers": stats.layers,
                 "experts_rtn_fallback": stats.experts_rtn_fallback,
                 "resumed_from_block": start,
+                "skipped_nonfinite": skipped_nonfinite,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
             }
             if signround:
                 report["signround"] = stats.tuning
+            # what a rerun compares itself with to know the folder is complete (sq.resume.signed_json)
+            report["run_signature"], report["run_signature_sha256"] = sig, signature_sha(sig)
             _finish(out, weights, groups, unquantized, report, all_frags, fault, state)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
             err = e

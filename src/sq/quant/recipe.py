@@ -131,21 +131,34 @@ def make_assigner(scheme: str, group_size: int, ignore=(), recipe: str | Path | 
 
 
 def _read(path: Path):
-    if not path.is_file():
+    if not path.exists():
         raise SqError(f"recipe file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    if not path.is_file():
+        raise SqError(f"recipe {path} is not a file (a folder?); pass a .yaml, .yml or .json file")
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        raise SqError(f"recipe {path}: expected a .yaml, .yml or .json file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SqError(f"recipe {path}: not UTF-8 text (byte {e.start}); a recipe is a YAML or JSON text file") from None
+    except OSError as e:
+        raise SqError(f"recipe {path}: cannot be read ({e.strerror or e})") from None
     if path.suffix == ".json":
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
             raise SqError(f"recipe {path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer of more than 4300 digits, deep nesting
+            raise SqError(f"recipe {path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise SqError(f"recipe {path}: not valid YAML ({e})") from None
+            raise SqError(f"recipe {path}: not valid YAML ({' '.join(str(e).split())})") from None
+        except (ValueError, RecursionError) as e:  # e.g. a timestamp out of range, deep nesting
+            raise SqError(f"recipe {path}: not valid YAML ({' '.join(str(e).split())[:200]})") from None
     raise SqError(f"recipe {path}: expected a .yaml, .yml or .json file")
 
 

@@ -564,12 +564,12 @@ def load_with_transformers(path: Path, dtype: torch.dtype | str = "auto"):
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     archs = getattr(cfg, "architectures", None) or []
     image_text = any("ConditionalGeneration" in a for a in archs)
     auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     if fp8_block_size(path) is None:
-        return auto.from_pretrained(path, dtype=dtype)
+        return auto.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     del cfg.quantization_config
     cls = auto._model_mapping[type(cfg)]  # the Auto class wants a path; the model class takes state_dict alone
     return cls.from_pretrained(None, config=cfg, state_dict=dequantized_tensors(path), dtype=dtype)
