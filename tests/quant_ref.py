@@ -71,7 +71,7 @@ def library_rtn_freeze(module: nn.Module) -> None:
 
 
 def quantize_jobs(rank, world, jobs) -> list[str | None]:
-    """``run_ranks`` target: ``quantize_model(PTQConfig(**job))`` for each job in turn; per job
+    """``run_ranks`` target: ``quantize_model(PTQConfig.build(**job))`` for each job in turn; per job
     ``None`` or the ``SqError`` it raised (identical on every rank)."""
     from sq.errors import SqError
     from sq.quant.blockwise import PTQConfig, quantize_model
@@ -79,7 +79,7 @@ def quantize_jobs(rank, world, jobs) -> list[str | None]:
     out = []
     for job in jobs:
         try:
-            quantize_model(PTQConfig(**job))
+            quantize_model(PTQConfig.build(**job))
             out.append(None)
         except SqError as e:
             out.append(str(e))

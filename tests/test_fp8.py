@@ -154,7 +154,7 @@ def _load(rank, world, path, ref, jobs):
     from sq.quant.blockwise import PTQConfig, quantize_model
 
     for job in jobs:
-        quantize_model(PTQConfig(**job))
+        quantize_model(PTQConfig.build(**job))
     return out
 
 

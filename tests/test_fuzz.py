@@ -51,10 +51,11 @@ ODD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, 2**64, 10**30, -(10**30
               "ünïcødé", [], {}, [None], [[1, 2]], {"a": 1}, [0, 1, 2], ["0", "16"], [-16, 0], [1.0, 2.0],
               [True, False], "x" * 5000]
 ODD_KEYS = ["", " ", "ünïcødé.weight", "模型.权重", "emoji😀", "a\nb", "a\x00b", "__metadata__x", "../x",
-            "x" * 3000, "model.embed_tokens.weight\u200b"]
+            "x" * 3000, "model.embed_tokens.weight\u200b", "\udc80x", "__metadata__"]
 ODD_NAMES = ["", ".", "..", "../x.safetensors", "/etc/passwd", "model\x00.safetensors", "x" * 300 + ".safetensors",
              "ünïcødé.safetensors", "config.json", "tokenizer.json", "sub/model.safetensors", "C:\\x.safetensors",
-             "model-00001-of-00005.safetensors ", "nope.safetensors", "model.safetensors.index.json"]
+             "model-00001-of-00005.safetensors ", "nope.safetensors", "model.safetensors.index.json",
+             "\ud800.safetensors", "model-00001-of-00005.safetensors/.", "~/x.safetensors"]
 
 
 # ----------------------------------------------------------------------------- mutations

@@ -28,7 +28,7 @@ def _quantize_all(rank, world, jobs):
     from sq.quant.blockwise import PTQConfig, quantize_model
 
     for job in jobs:
-        quantize_model(PTQConfig(**job))
+        quantize_model(PTQConfig.build(**job))
     return True
 
 
@@ -131,8 +131,9 @@ def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(sch
 
     from torch import nn
 
-    from sq.quant import blockwise
-    from sq.quant.gptq import GPTQ
+    from sq.quant.algorithms import BlockWork
+    from sq.quant.algorithms import gptq as gptq_algo
+    from sq.quant.gptq import GPTQ, GPTQConfig
 
     torch.manual_seed(0)
     E, inter, hidden = 8, 32, 64
@@ -148,19 +149,23 @@ def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(sch
         mids[e].add_batch(torch.randn(256, inter))
     s = get_scheme(scheme, 16)
     orig = {k: p.detach().clone() for k, p in ex.named_parameters()}
-    want = [blockwise._quantize_rows(orig["gate_up_proj"][e].clone(), s, GPTQ.from_hessian(shared.H.clone(), shared.nsamples), "x")
+    alg = gptq_algo.GPTQAlgorithm(GPTQConfig())
+    want = [alg._rows(GPTQ.from_hessian(shared.H.clone(), shared.nsamples), orig["gate_up_proj"][e].clone(), s, "x")
             for e in range(E)]
 
-    monkeypatch.setattr(blockwise, "_EXPERT_STACK_ELEMS", 3 * 2 * inter * hidden)  # sweeps of 3, 3, 2 experts
+    monkeypatch.setattr(gptq_algo, "EXPERT_STACK_ELEMS", 3 * 2 * inter * hidden)  # sweeps of 3, 3, 2 experts
     calib = SimpleNamespace(experts=ex, calibrate_all=True, mine=range(E), h_in=dict.fromkeys(range(E), shared), h_mid=mids)
-    names, real = [], blockwise._quantize_rows
-    monkeypatch.setattr(blockwise, "_quantize_rows", lambda w, sc, g, name, *a: names.append(name) or real(w, sc, g, name, *a))
-    got, fallback = blockwise._quantize_experts([("mlp.experts", ex, s)], [calib], "gptq")
-    assert fallback == []
+    work = BlockWork(0, "", nn.Module(), [], [], [], [], 0, None, torch.device("cpu"), 0, 1, 1, 0, True,
+                     state={"calibs": {id(ex): calib}})
+    names, real = [], alg._rows
+    monkeypatch.setattr(alg, "_rows", lambda g, w, sc, name: names.append(name) or real(g, w, sc, name))
+    got = {p: alg.solve_experts(work, "mlp.experts", ex, p, ex._parameters[p], 0, s) for p in ("gate_up_proj", "down_proj")}
+    assert work.expert_fallback == []
     assert [n for n in names if "gate_up" in n] == [f"mlp.experts.{r}.gate_up_proj" for r in ("0-2", "3-5", "6-7")]
-    q, scale, zp = got["mlp.experts"]["gate_up_proj"]
-    for e, (wq, ws, wz, wdeq) in enumerate(want):
-        assert torch.equal(q[e], wq) and torch.equal(scale[e], ws), e
-        assert (zp is None and wz is None) or torch.equal(zp[e], wz), e
-        assert torch.equal(ex.gate_up_proj[e], wdeq), e
-    assert not torch.equal(ex.down_proj, orig["down_proj"])  # quantized per expert against its own Hessian
+    for e, w in enumerate(want):
+        g = got["gate_up_proj"][e]
+        assert torch.equal(g.q, w.q) and torch.equal(g.scale, w.scale), e
+        assert (g.zero_point is None and w.zero_point is None) or torch.equal(g.zero_point, w.zero_point), e
+        assert torch.equal(g.deq, w.deq), e
+    deq_down = torch.stack([x.deq for x in got["down_proj"]])
+    assert not torch.equal(deq_down, orig["down_proj"])  # quantized per expert against its own Hessian

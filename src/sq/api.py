@@ -21,8 +21,8 @@ from sq.errors import SqError
 def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", algo: str = "gptq",
              group_size: int = 128, calibration: torch.Tensor | None = None, tokenizer=None,
              dataset: str = "builtin:pydoc", nsamples: int = 128, seqlen: int = 512, seed: int = 0,
-             ignore: tuple[str, ...] = (), recipe: str | Path | None = None, actorder: bool = True,
-             iters: int = 200, lr: float | None = None, batch_size: int = 8, resume: str = "never") -> dict:
+             ignore: tuple[str, ...] = (), recipe: str | Path | None = None, resume: str = "never",
+             **settings) -> dict:
     """Quantize ``model`` in place (its weights become the dequantized values) and write a
     compressed-tensors checkpoint to ``output`` that transformers and vLLM load.
 
@@ -33,7 +33,10 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
         calibration: token ids ``[nsamples, seqlen]`` (the same on every rank; each rank uses rows
             ``rank::world``); default: ``nsamples`` windows of ``dataset`` cut with ``tokenizer``.
         tokenizer: saved beside the weights; needed when ``calibration`` is not given for GPTQ / SignRound.
-        iters, lr, batch_size: SignRound's steps per block, step size and samples per step (docs/signround.md).
+        settings: the algorithm's own settings, named as its config's fields (the same as the
+            command line's flags): ``actorder`` for GPTQ; ``iters``, ``lr``, ``batch_size`` for
+            SignRound (docs/signround.md).  Their defaults are the config's; a setting the
+            algorithm does not have is refused.
         resume: ``never`` by default -- an in-memory model cannot prove its weights are those of a
             previous attempt; ``auto`` resumes a folder whose run signature matches (same
             architecture, shapes, arguments and calibration data).
@@ -43,7 +46,8 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     """
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
-    from sq.quant.blockwise import CALIBRATED, PTQConfig, _run
+    from sq.quant.blockwise import PTQConfig
+    from sq.quant.pipeline import run_pipeline
     from sq.quant.recipe import make_assigner
     from sq.quant.weights import ModelWeights
     from sq.resume import sha256_bytes
@@ -51,10 +55,17 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     t_start = time.perf_counter()
     if not dist.is_initialized():
         init_distributed()
-    cfg = PTQConfig(model=f"<in-memory {type(model).__name__}>", output=str(output), scheme=scheme, algo=algo,
-                    group_size=group_size, nsamples=nsamples, seqlen=seqlen, seed=seed, dataset=dataset,
-                    ignore=tuple(ignore), recipe=None if recipe is None else str(recipe), actorder=actorder,
-                    iters=iters, lr=lr, batch_size=batch_size, resume=resume)
+    cfg, problems = None, []
+    try:
+        cfg = PTQConfig.build(model=f"<in-memory {type(model).__name__}>", output=str(output), scheme=scheme,
+                              algo=algo, group_size=group_size, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                              dataset=dataset, ignore=tuple(ignore), recipe=None if recipe is None else str(recipe),
+                              resume=resume, **settings)
+    except (SqError, TypeError, ValueError) as e:
+        problems += e.problems if isinstance(e, SqError) else [str(e)]
+    all_ok(not problems, "API argument checks")
+    if problems:
+        raise SqError(problems)
     problems = cfg.problems()
     assigner = weights = None
     if not problems:
@@ -64,7 +75,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
         except SqError as e:
             problems += e.problems
     windows, data = None, {"spec": None, "sha256": None}
-    if not problems and algo in CALIBRATED:
+    if not problems and cfg.calibrated:
         if calibration is not None:
             windows = calibration
             if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
@@ -92,7 +103,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     was_training = model.training
     model.eval()
     try:
-        return _run(cfg, model, weights, assigner, data, lambda: windows.long(), parallelize=None,
-                    t_start=t_start)
+        return run_pipeline(cfg, model, weights, assigner, data, lambda: windows.long(), parallelize=None,
+                            t_start=t_start)
     finally:
         model.train(was_training)

@@ -21,7 +21,7 @@ Reference: docs/cli.md; every refusal and its fix: docs/troubleshooting.md."""
 
 
 def build_parser() -> ArgParser:
-    from sq.quant.blockwise import ALGOS
+    from sq.quant.algorithms import add_arguments, algorithm_names
 
     p = ArgParser(prog="torchrun -m sq.ptq", description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("--model", required=True,
@@ -31,7 +31,7 @@ def build_parser() -> ArgParser:
                    help="new or empty output folder, or the folder of an unfinished run to resume")
     p.add_argument("--scheme", default="W4A16", type=str.upper, choices=SCHEME_NAMES, metavar="SCHEME",
                    help=f"quantization scheme for every Linear: {', '.join(SCHEME_NAMES)}")
-    p.add_argument("--algo", default="gptq", choices=ALGOS,
+    p.add_argument("--algo", default="gptq", choices=algorithm_names(),
                    help="rtn: round to nearest (no data); gptq: Hessians from calibration data; signround: "
                         "tuned rounding and clipping per block (docs/signround.md)")
     p.add_argument("--group-size", type=int, default=128, metavar="N",
@@ -56,14 +56,7 @@ def build_parser() -> ArgParser:
     p.add_argument("--resume", default="auto", choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
-    p.add_argument("--actorder", default="static", choices=("static", "off"),
-                   help="GPTQ column order: static act-order (descending Hessian diagonal, scales fixed up "
-                        "front, as llm-compressor) or off (natural order)")
-    p.add_argument("--iters", type=int, default=200, metavar="N", help="SignRound: signed-gradient steps per block")
-    p.add_argument("--lr", type=float, default=None,
-                   help="SignRound: step size (default: 1/iters, decaying linearly)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="SignRound: calibration samples per step, over all ranks")
+    add_arguments(p)  # each algorithm's settings, from its config's fields (sq.quant.algorithms)
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="leave Linears whose weights hold NaN/Inf unquantized (listed in the config's ignore) "
                         "instead of refusing the run")
@@ -72,24 +65,22 @@ def build_parser() -> ArgParser:
 
 
 def parse_args(argv=None):
+    from sq.quant.algorithms import config_from_namespace
     from sq.quant.blockwise import PTQConfig
 
     a = build_parser().parse_args(argv)
-    return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=a.algo, group_size=a.group_size,
-                     nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
+    return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=config_from_namespace(a.algo, a),
+                     group_size=a.group_size, nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
-                     calibrate_all_experts=a.calibrate_all, resume=a.resume, actorder=a.actorder == "static",
-                     iters=a.iters, lr=a.lr, batch_size=a.batch_size, bookkeeping=a.bookkeeping,
-                     skip_nonfinite=a.skip_nonfinite,
-                     fault=os.environ.get("SQ_FAULT"))
+                     calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
+                     skip_nonfinite=a.skip_nonfinite, fault=os.environ.get("SQ_FAULT"))
 
 
 def main(argv=None) -> int:
     def body():
         from sq.dist import init_distributed, setup_logging
-        from sq.quant.blockwise import quantize_model
-
         from sq.memory import prefer_mmap_for_large_allocations
+        from sq.quant.blockwise import quantize_model
 
         cfg = parse_args(argv)
         prefer_mmap_for_large_allocations()

@@ -1,25 +1,15 @@
 """The compressed-tensors checkpoint form of quantized Linear weights.
 
 ``compress_weight`` turns quantized data (ints or fp8, scales, zero points) into exactly the
-tensors compressed-tensors 0.20 writes for one Linear, packing with the library's own
-``pack_to_int32`` so the bits match.  Names are relative to the module (the writer
-prefixes ``model.layers.0.mlp.experts.3.gate_proj.``):
+tensors compressed-tensors 0.20 writes for one Linear.  What those tensors are, and how they
+are packed (with the library's own helpers, so the bits match), is the scheme's format's
+declaration in ``sq.quant.formats`` (each registration's docstring has its table); this
+module checks the data against the declaration and dispatches.  Names are relative to the
+module (the writer prefixes ``model.layers.0.mlp.experts.3.gate_proj.``).
 
-==================  =================  =======================================  ============
-format              name               shape                                    dtype
-==================  =================  =======================================  ============
-pack-quantized      weight_packed      [out, ceil(in * bits / 32)]              int32
-                    weight_scale       [out, in / group] (group) / [out, 1]     weight dtype
-                    weight_zero_point  [ceil(out * bits / 32), in / group]      int32
-                                       (asymmetric only; packed along *out*)
-                    weight_shape       [2] = (out, in)                          int64
-float-quantized     weight             [out, in]                                float8_e4m3fn
-                    weight_scale       [out, 1]                                 weight dtype
-==================  =================  =======================================  ============
-
-Asymmetric zero points are packed along the output dimension (8 rows per int32 for int4),
-so they must be packed from whole rows; :func:`row_alignment` says how many rows a shard
-boundary must be a multiple of for a shard's packed tensors to be rows of the full ones.
+:func:`row_alignment` says how many rows a shard boundary must be a multiple of for a
+shard's packed tensors to be rows of the full ones (asymmetric int zero points are packed
+along the output dimension, 8 rows per int32 for int4).
 
 ``quantization_config`` builds the ``config.json`` entry with the library's own
 ``QuantizationConfig``, in the form ``ModelCompressor.update_config`` writes.
@@ -33,7 +23,8 @@ import torch
 from torch import Tensor
 
 from sq.errors import SqError
-from sq.quant import rtn
+from sq.quant.formats import format_for
+from sq.quant.primitives import QParams, scale_shape
 from sq.quant.schemes import QuantScheme, format_name, to_compressed_tensors
 
 __all__ = [
@@ -55,10 +46,7 @@ def _unpack_result(result) -> tuple[Tensor, Tensor, Tensor | None]:
 
 def compressed_names(scheme: QuantScheme) -> tuple[str, ...]:
     """Relative tensor names ``compress_weight`` returns for ``scheme``."""
-    if scheme.type == "float":
-        return ("weight", "weight_scale")
-    names = ("weight_packed", "weight_scale", "weight_shape")
-    return names if scheme.symmetric else names + ("weight_zero_point",)
+    return format_for(scheme).names(scheme)
 
 
 def row_alignment(scheme: QuantScheme) -> int:
@@ -67,9 +55,7 @@ def row_alignment(scheme: QuantScheme) -> int:
     Only asymmetric packed zero points mix rows (``32 / num_bits`` rows per int32
     along ``out``); everything else is packed along ``in``.
     """
-    if scheme.type == "int" and not scheme.symmetric:
-        return 32 // scheme.num_bits if 32 % scheme.num_bits == 0 else 32
-    return 1
+    return format_for(scheme).row_alignment(scheme)
 
 
 def compress_weight(result, scheme: QuantScheme, shape: Sequence[int] | None = None) -> dict[str, Tensor]:
@@ -78,8 +64,7 @@ def compress_weight(result, scheme: QuantScheme, shape: Sequence[int] | None = N
     ``q`` holds the whole weight ``[out, in]`` (int8 values in the scheme's range, or
     float8_e4m3fn); ``shape``, if given, must equal it.
     """
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
+    fmt = format_for(scheme)
     q, scale, zp = _unpack_result(result)
     if q.ndim != 2:
         raise SqError(f"quantized weight must be 2-D [out, in], got shape {tuple(q.shape)}")
@@ -88,48 +73,24 @@ def compress_weight(result, scheme: QuantScheme, shape: Sequence[int] | None = N
         raise SqError(f"quantized weight shape {(out_f, in_f)} != expected {tuple(shape)}")
     if q.dtype != scheme.storage_dtype:
         raise SqError(f"scheme {scheme.name} stores {scheme.storage_dtype} values, got {q.dtype}")
-    n_groups = scheme.num_groups(in_f)
     if scheme.strategy == "group" and in_f % scheme.group_size:
         raise SqError(f"group size {scheme.group_size} does not divide in_features {in_f}")
-    if tuple(scale.shape) != (out_f, n_groups):
-        raise SqError(f"weight_scale shape {tuple(scale.shape)} != {(out_f, n_groups)} for {scheme.name}")
+    s_shape = scale_shape(fmt.spec(scheme).granularity, (out_f, in_f))
+    if tuple(scale.shape) != s_shape:
+        raise SqError(f"weight_scale shape {tuple(scale.shape)} != {s_shape} for {scheme.name}")
     if scheme.symmetric != (zp is None):
         raise SqError(
             f"scheme {scheme.name} is {'symmetric' if scheme.symmetric else 'asymmetric'} "
             f"but a zero point was {'given' if zp is not None else 'not given'}"
         )
-
-    scale = scale.contiguous()
-    if scheme.type == "float":
-        return {"weight": q.contiguous(), "weight_scale": scale}
-
-    out = {
-        "weight_packed": pack_to_int32(q.contiguous(), scheme.num_bits),
-        "weight_scale": scale,
-        "weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64),
-    }
-    if zp is not None:
-        if tuple(zp.shape) != (out_f, n_groups) or zp.dtype != torch.int8:
-            raise SqError(f"weight_zero_point must be int8 {(out_f, n_groups)}, got {zp.dtype} {tuple(zp.shape)}")
-        out["weight_zero_point"] = pack_to_int32(zp.contiguous(), scheme.num_bits, packed_dim=0).contiguous()
-    return out
+    if zp is not None and (tuple(zp.shape) != s_shape or zp.dtype != torch.int8):
+        raise SqError(f"weight_zero_point must be int8 {s_shape}, got {zp.dtype} {tuple(zp.shape)}")
+    return fmt.compress(q, QParams(scale, zp), scheme)
 
 
 def decompress_weight(tensors: Mapping[str, Tensor], scheme: QuantScheme) -> Tensor:
     """The dense weight a loader reconstructs from ``compress_weight``'s tensors."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-    scale = tensors["weight_scale"]
-    if scheme.type == "float":
-        return rtn.dequantize(tensors["weight"], scale, None, scheme)
-    shape = torch.Size(int(v) for v in tensors["weight_shape"])
-    q = unpack_from_int32(tensors["weight_packed"], scheme.num_bits, shape)
-    zp = None
-    if not scheme.symmetric:
-        zp = unpack_from_int32(
-            tensors["weight_zero_point"], scheme.num_bits, torch.Size((shape[0], scale.shape[-1])), packed_dim=0
-        )
-    return rtn.dequantize(q, scale, zp, scheme)
+    return format_for(scheme).decompress(tensors, scheme)
 
 
 def quantization_config(groups: Mapping[QuantScheme, Sequence[str]], ignore: Sequence[str]) -> dict:

@@ -19,6 +19,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from sq.parallel.collectives import all_gather_rows, row_counts
+
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
@@ -45,38 +47,22 @@ def local_expert_range(n_experts: int, mesh: DeviceMesh) -> range:
     return range(min(r * size, n_experts), min((r + 1) * size, n_experts))
 
 
-def _gather_rows(local: torch.Tensor, group) -> torch.Tensor:
-    """All-gather uneven row shards (dim 1) within the dp group."""
-    if dist.get_world_size(group) == 1:
-        return local
-    sizes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(sizes, local.shape[1], group=group)
-    parts = [local.new_empty(local.shape[0], s, *local.shape[2:]) for s in sizes]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
-
 @torch.no_grad()
 def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     mesh: DeviceMesh = self._sq_ep_mesh
     ep_group, dp_group = mesh.get_group("ep"), mesh.get_group("dp")
     ep = dist.get_world_size(ep_group)
     n_local_tokens = hidden_states.shape[0]
-    # [T, H] per ep rank -> all tokens of the group, in rank order
-    counts = [None] * ep
-    dist.all_gather_object(counts, n_local_tokens, group=ep_group)
+    # [T_r, H] per ep rank -> [sum T_r, H]: all tokens of the group, in rank order
+    counts = row_counts(n_local_tokens, ep_group, hidden_states.device) if ep > 1 else [n_local_tokens]
     width = hidden_states.shape[1]
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        parts = [t.new_empty(c, *t.shape[1:]) for c in counts]
-        dist.all_gather(parts, t.contiguous(), group=ep_group)
-        return torch.cat(parts)
-
-    h_all, idx_all, w_all = gather(hidden_states), gather(top_k_index), gather(top_k_weights)
+    h_all, idx_all, w_all = (all_gather_rows(t, counts, group=ep_group)
+                             for t in (hidden_states, top_k_index, top_k_weights))
     out = torch.zeros(h_all.shape[0], width, dtype=hidden_states.dtype, device=hidden_states.device)
     experts = local_expert_range(self.num_experts, mesh)
-    gate_up = _gather_rows(self.gate_up_proj.to_local(), dp_group)
-    down = _gather_rows(self.down_proj.to_local(), dp_group)
+    # [E_local, rows_dp, cols] -> [E_local, rows, cols]: this rank's experts with every row
+    gate_up = all_gather_rows(self.gate_up_proj.to_local(), dim=1, group=dp_group)
+    down = all_gather_rows(self.down_proj.to_local(), dim=1, group=dp_group)
     for i, e in enumerate(experts):
         token_idx, pos = torch.where(idx_all == e)
         if token_idx.numel() == 0:

@@ -5,6 +5,8 @@ expert index of a fused ``[E, out, in]`` expert tensor, so with ``ep == 1`` each
 whole experts (an uneven split is fine on dim 0; FSDP2 refuses uneven splits on other
 dims).  With ``ep > 1`` experts become (dp, ep) DTensors (``sq.parallel.expert``) that FSDP2
 ignores: split by index across ``ep`` and by rows across ``dp``.
+
+``unsharded(block)`` keeps a block's units gathered while SignRound tunes it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sq.dist import world_mesh
 from sq.errors import LoadRefused
@@ -65,3 +67,37 @@ def _other_dtype_modules(block: nn.Module, ignored: set) -> list[nn.Module]:
     main = max(sorted(numel, key=str), key=numel.get)  # by elements, ties by name: the same on every rank
     return [m for m in block.modules() if m is not block
             and any(p.dtype != main for p in m.parameters(recurse=False) if p not in ignored)]
+
+
+class unsharded:
+    """Keep ``block``'s FSDP2 units (the block and any sub-unit) unsharded across forwards and backwards.
+
+    SignRound runs a block's forward and backward many times per block; resharding after each
+    would all-gather the block's weights again every step.  Each unit's own resharding settings
+    (a training framework's choice, under ``sq.quantize``) are read before and put back after.
+    """
+
+    def __init__(self, block: nn.Module):
+        self.units = [m for m in block.modules() if isinstance(m, FSDPModule)]
+
+    @staticmethod
+    def _settings(m) -> tuple[bool, bool]:
+        try:  # FSDP2 keeps them on the unit's parameter group (no public getter in torch 2.13)
+            group = m._get_fsdp_state()._fsdp_param_group
+            return group.post_forward_mesh_info is not None, bool(group.reshard_after_backward)
+        except AttributeError:
+            return True, True
+
+    def __enter__(self):
+        self.saved = [self._settings(m) for m in self.units]
+        for m in self.units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+            m.unshard()
+        return self
+
+    def __exit__(self, *exc):
+        for m, (fwd, bwd) in zip(self.units, self.saved):
+            m.set_reshard_after_forward(fwd, recurse=False)
+            m.set_reshard_after_backward(bwd, recurse=False)
+            m.reshard()

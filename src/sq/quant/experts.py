@@ -20,12 +20,12 @@ import types
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
+from sq.parallel.collectives import all_gather_rows
 from sq.quant.gptq import GPTQ
 
 FUSED = ("gate_up_proj", "down_proj")
@@ -78,33 +78,9 @@ def local_experts(experts: nn.Module) -> range:
     return range(off[0], off[0] + n)
 
 
-def _gather_var(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate a [n_r, ...] tensor from every rank (n_r may differ, may be 0)."""
-    world = dist.get_world_size()
-    if world == 1:
-        return t
-    counts = [None] * world
-    dist.all_gather_object(counts, t.shape[0])
-    pad = max(counts)
-    buf = t.new_zeros(pad, *t.shape[1:])
-    buf[: t.shape[0]] = t
-    parts = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(parts, buf.contiguous())
-    return torch.cat([p[:c] for p, c in zip(parts, counts)])
-
-
 def is_ep_param(p: torch.Tensor) -> bool:
     """An expert tensor sharded by ``sq.parallel.expert`` (rows over dp, experts over ep)."""
     return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp", "ep")
-
-
-def _full_rows(p: torch.Tensor) -> torch.Tensor:
-    """This rank's experts with every row (gathered within dp under EP; FSDP2 forward: already full)."""
-    if is_ep_param(p):
-        from sq.parallel.expert import _gather_rows
-
-        return _gather_rows(p.to_local(), p.device_mesh.get_group("dp"))
-    return p
 
 
 @dataclass
@@ -140,10 +116,12 @@ class ExpertCalibration:
             # every rank joins the gather (dummy batches send no tokens)
             mine_h = hidden_states if calib.on else hidden_states[:0]
             mine_i = top_k_index if calib.on else top_k_index[:0]
-            h_all, idx_all = _gather_var(mine_h), _gather_var(mine_i)
+            # [T_r, H], [T_r, k] on each rank -> [sum T_r, H], [sum T_r, k]
+            h_all, idx_all = all_gather_rows(mine_h), all_gather_rows(mine_i)
             if not len(calib.mine) or h_all.shape[0] == 0:
                 return out
-            gate_up = _full_rows(module.gate_up_proj)
+            p = module.gate_up_proj
+            gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I, H]
             first = calib.mine.start if is_ep_param(module.gate_up_proj) else 0
             if calib.calibrate_all:
                 calib.h_in[calib.mine.start].add_batch(h_all)  # the one shared accumulator
@@ -167,13 +145,14 @@ class ExpertCalibration:
             del self.experts.__dict__["forward"]
 
 
-def gather_rows_bytes(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Rows of this rank's experts from every dp rank, for any dtype (gloo has no fp8): ``[n, rows, cols]``."""
-    if not is_ep_param(p) or p.device_mesh.size(0) == 1:
-        return local
-    from sq.parallel.expert import _gather_rows
+def full_expert_rows(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's experts with every row: ``local [n, rows_dp, cols]`` -> ``[n, rows, cols]``, any dtype.
 
-    dtype, cols = local.dtype, local.shape[-1]
-    as_bytes = local.contiguous().view(torch.uint8)  # [n, rows_local, cols * itemsize]
-    full = _gather_rows(as_bytes, p.device_mesh.get_group("dp"))
-    return full.view(dtype).reshape(local.shape[0], -1, cols)
+    ``local`` is ``p``'s local shard or a tensor shaped like it (quantized rows, scales): under EP
+    its rows are gathered within the dp group; otherwise the rank already holds whole experts.
+    """
+    if not is_ep_param(p):
+        return local
+    return all_gather_rows(local, dim=1, group=p.device_mesh.get_group("dp"))
+
+

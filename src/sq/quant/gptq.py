@@ -31,8 +31,6 @@ would compute exactly that matrix from exactly the same inputs, so the bits do n
 
 from __future__ import annotations
 
-from sq.dictconfig import DictConfig
-
 import dataclasses
 import logging
 import math
@@ -45,6 +43,7 @@ from torch import Tensor
 
 from sq.errors import SqError
 from sq.quant import rtn
+from sq.quant.settings import AlgoConfig, option
 from sq.quant.schemes import QuantScheme, check_group_size
 
 __all__ = ["GPTQ", "GPTQConfig", "GPTQResult"]
@@ -53,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GPTQConfig(DictConfig):
+class GPTQConfig(AlgoConfig):
     """Algorithm settings; ``GPTQ.quantize(w, scheme, **cfg.to_dict())``.
 
     ``actorder``: quantize columns by descending ``diag(H)`` ("static" act-order as in
@@ -65,9 +64,13 @@ class GPTQConfig(DictConfig):
     ``percdamp * damp_growth**k``.
     """
 
+    name = "gptq"
+
     blocksize: int = 128
     percdamp: float = 0.01
-    actorder: bool = False
+    actorder: bool = option(True, "column order: static act-order (descending Hessian diagonal, scales fixed "
+                                  "up front, as llm-compressor) or off (natural order)",
+                            choices={"static": True, "off": False})
     static_groups: bool = False
     max_retries: int = 4
     damp_growth: float = 10.0

@@ -22,13 +22,14 @@ FP8_DYNAMIC    float8 e4m3 per output channel; activations float8     float-quan
 
 from __future__ import annotations
 
-from sq.dictconfig import DictConfig
-
 from dataclasses import dataclass
 
 import torch
 
+from sq.dictconfig import DictConfig
 from sq.errors import SqError
+from sq.quant import formats
+from sq.quant.primitives import scale_shape
 
 __all__ = [
     "QuantScheme",
@@ -40,28 +41,26 @@ __all__ = [
 ]
 
 _TYPES = ("int", "float")
-_STRATEGIES = ("group", "channel")
-_ACTIVATIONS = ("none", "fp8_dynamic_token")
-
-# float8 e4m3fn: the only float weight format sq writes.
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+_STRATEGIES = ("group", "channel", "tensor")
+_ACTIVATIONS = tuple(formats.ACTIVATIONS)
 
 
 @dataclass(frozen=True)
 class QuantScheme(DictConfig):
     """How one Linear weight ``[out, in]`` is quantized.
 
-    Scales run along ``in`` (one per ``group_size`` columns, or one per row for
-    ``channel``), so every scheme is row-independent: a rank can quantize any subset of
-    output rows on its own.
+    The fields say what the user asked for; which schemes sq can write, with which maths and
+    tensors, is decided by the format registry (``sq.quant.formats``): a scheme no registered
+    format accepts is refused here.  Whether ranks can quantize their own rows with it is the
+    format's declaration too (``formats.check_row_shardable``).
     """
 
     name: str
     num_bits: int
     type: str = "int"  # "int" | "float"
     symmetric: bool = True
-    strategy: str = "group"  # "group" | "channel"
-    group_size: int | None = 128  # None for "channel"
+    strategy: str = "group"  # "group" | "channel" | "tensor"
+    group_size: int | None = 128  # None unless "group"
     activations: str = "none"  # "none" | "fp8_dynamic_token"
 
     def __post_init__(self) -> None:
@@ -80,15 +79,6 @@ class QuantScheme(DictConfig):
             )
         if isinstance(self.num_bits, bool) or not isinstance(self.num_bits, int):
             raise ValueError(f"scheme {self.name}: num_bits must be an int, got {self.num_bits!r}")
-        if self.type == "int" and not 2 <= self.num_bits <= 8:
-            raise ValueError(f"scheme {self.name}: int weights need 2..8 bits, got {self.num_bits}")
-        if self.type == "float":
-            if self.num_bits != 8:
-                raise ValueError(
-                    f"scheme {self.name}: float weights are float8 e4m3 only, got {self.num_bits} bits"
-                )
-            if not self.symmetric:
-                raise ValueError(f"scheme {self.name}: float weights must be symmetric")
         if self.strategy == "group":
             if (
                 isinstance(self.group_size, bool)
@@ -101,28 +91,25 @@ class QuantScheme(DictConfig):
                 )
         elif self.group_size is not None:
             raise ValueError(
-                f"scheme {self.name}: strategy 'channel' takes group_size=None, got {self.group_size!r}"
+                f"scheme {self.name}: strategy {self.strategy!r} takes group_size=None, got {self.group_size!r}"
             )
-        if self.activations == "fp8_dynamic_token" and self.type != "float":
-            raise ValueError(
-                f"scheme {self.name}: dynamic fp8 activations are only supported with fp8 weights"
-            )
+        formats.format_for(self)  # ValueError naming each format's reason when none writes it
 
     # -- derived facts -------------------------------------------------------------------
 
     @property
     def qmin(self) -> float:
         """Smallest quantized value (as compressed-tensors' ``calculate_range``)."""
-        return -FP8_MAX if self.type == "float" else float(-(1 << (self.num_bits - 1)))
+        return formats.spec_for(self).qtype.qmin
 
     @property
     def qmax(self) -> float:
-        return FP8_MAX if self.type == "float" else float((1 << (self.num_bits - 1)) - 1)
+        return formats.spec_for(self).qtype.qmax
 
     @property
     def storage_dtype(self) -> torch.dtype:
         """dtype of the quantized values before packing (int8 for any int width)."""
-        return torch.float8_e4m3fn if self.type == "float" else torch.int8
+        return formats.spec_for(self).qtype.storage_dtype
 
     @property
     def format(self) -> str:
@@ -130,7 +117,7 @@ class QuantScheme(DictConfig):
 
     def num_groups(self, in_features: int) -> int:
         """Scale columns for a weight with ``in_features`` columns."""
-        return 1 if self.strategy == "channel" else in_features // self.group_size
+        return scale_shape(formats.spec_for(self).granularity, (1, in_features))[-1]
 
     # -- serialization -------------------------------------------------------------------
 
@@ -179,30 +166,10 @@ def check_group_size(layer_name: str, in_features: int, scheme: QuantScheme) -> 
 
 
 def format_name(scheme: QuantScheme) -> str:
-    """compressed-tensors format the export writes: packed ints or plain fp8."""
-    return "float-quantized" if scheme.type == "float" else "pack-quantized"
+    """compressed-tensors format the export writes (the registered format that accepts it)."""
+    return formats.format_for(scheme).name
 
 
 def to_compressed_tensors(scheme: QuantScheme, targets: list[str]):
     """The library's ``QuantizationScheme`` for ``targets`` (with ``format`` filled in)."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
-    weights = QuantizationArgs(
-        num_bits=scheme.num_bits,
-        type=scheme.type,
-        symmetric=scheme.symmetric,
-        strategy=scheme.strategy,
-        group_size=scheme.group_size,
-        dynamic=False,
-    )
-    inputs = None
-    if scheme.activations == "fp8_dynamic_token":
-        inputs = QuantizationArgs(
-            num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True
-        )
-    return QuantizationScheme(
-        targets=list(targets),
-        weights=weights,
-        input_activations=inputs,
-        format=format_name(scheme),
-    )
+    return formats.format_for(scheme).ct_scheme(scheme, targets)

@@ -26,8 +26,9 @@ batch, so the gradients summed over ranks are the gradient of the whole (stratif
 every rank does the same work.  Each rank owns the tuned parameters of
 the dim-0 shard FSDP2 gave it (its rows of a Linear, its experts of a fused expert tensor): it
 quantizes only those, and all-gathers the quantized weight for the forward, whose backward sums
-every rank's gradient for each owner's rows (:class:`_GatherDim0`).  Every rank takes the same
-steps in the same order, so a run is deterministic and a resumed block is redone bit for bit.
+every rank's gradient for each owner's rows (``sq.parallel.collectives.all_gather_rows_autograd``).
+Every rank takes the same steps in the same order, so a run is deterministic and a resumed block
+is redone bit for bit.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from sq.dictconfig import DictConfig
+from sq.parallel.collectives import all_gather_rows_autograd
+from sq.quant.settings import AlgoConfig, option
 from sq.quant import rtn
 from sq.quant.schemes import QuantScheme
 
@@ -50,10 +52,12 @@ __all__ = ["SignRoundConfig", "Slot", "tune_block", "tuned_qdq", "tuned_quantize
 
 
 @dataclass(frozen=True)
-class SignRoundConfig(DictConfig):
-    iters: int = 200
-    lr: float | None = None  # None: 1 / iters
-    batch_size: int = 8  # samples per step, over all ranks
+class SignRoundConfig(AlgoConfig):
+    name = "signround"
+
+    iters: int = option(200, "signed-gradient steps per block (0 = RTN)")
+    lr: float | None = option(None, "step size (default: 1/iters, decaying linearly)")
+    batch_size: int = option(8, "calibration samples per step, over all ranks")
 
     def problems(self) -> list[str]:
         out = []
@@ -135,36 +139,6 @@ def tuned_quantize(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: Qu
 # ---------------------------------------------------------------- distribution
 
 
-def dim0_counts(n: int, world: int) -> list[int]:
-    """Sizes of FSDP2's dim-0 shards (torch.chunk, empty tail chunks)."""
-    counts = [len(c) for c in torch.arange(n).chunk(world)]
-    return counts + [0] * (world - len(counts))
-
-
-class _GatherDim0(torch.autograd.Function):
-    """All-gather dim-0 shards into the whole tensor; backward: the summed gradient of one's own shard."""
-
-    @staticmethod
-    def forward(ctx, local: Tensor, counts: list[int], rank: int) -> Tensor:
-        ctx.lo = sum(counts[:rank])
-        ctx.hi = ctx.lo + counts[rank]
-        if len(counts) == 1:
-            return local
-        pad = max(counts)
-        buf = local.new_zeros(pad, *local.shape[1:])
-        buf[: local.shape[0]] = local
-        parts = [torch.empty_like(buf) for _ in counts]
-        dist.all_gather(parts, buf.contiguous())
-        return torch.cat([p[:n] for p, n in zip(parts, counts)])
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            grad = grad.contiguous()
-            dist.all_reduce(grad)
-        return grad[ctx.lo:ctx.hi], None, None
-
-
 @dataclass
 class Slot:
     """One tuned weight: this rank's dim-0 shard of ``module.<pname>`` and its parameters."""
@@ -191,7 +165,7 @@ class Slot:
 
     def full_qdq(self) -> Tensor:
         local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme).to(self.local.dtype)
-        return _GatherDim0.apply(local, self.counts, dist.get_rank())
+        return all_gather_rows_autograd(local, self.counts)  # [sum(counts), ...] on every rank
 
     def keep_best(self) -> None:
         self.best = [p.detach().clone() for p in self.params]
@@ -259,7 +233,7 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
     ``q_inputs`` are this rank's quantized-chain inputs ``[(hidden, kwargs), ...]`` (its samples
     ``rank::world`` in order) and ``fp_outputs`` the full-precision block's outputs for the
     same samples.  Collective: every rank calls it with the same slots in the same order.  The
-    block's FSDP2 units must be unsharded (the caller's job: :func:`unsharded`).
+    block's FSDP2 units must be unsharded (the caller's job: ``sq.parallel.fsdp.unsharded``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     fp_rows = torch.cat(fp_outputs)
@@ -302,37 +276,3 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
             s.step(lr)
     return {"loss_first": first, "loss_best": best if first is not None else None}
 
-
-class unsharded:
-    """Keep ``block``'s FSDP2 units (the block and any sub-unit) unsharded across forwards and backwards.
-
-    Each unit's own resharding settings (a training framework's choice, under ``sq.quantize``)
-    are read before and put back after.
-    """
-
-    def __init__(self, block: nn.Module):
-        from torch.distributed.fsdp import FSDPModule
-
-        self.units = [m for m in block.modules() if isinstance(m, FSDPModule)]
-
-    @staticmethod
-    def _settings(m) -> tuple[bool, bool]:
-        try:  # FSDP2 keeps them on the unit's parameter group (no public getter in torch 2.13)
-            group = m._get_fsdp_state()._fsdp_param_group
-            return group.post_forward_mesh_info is not None, bool(group.reshard_after_backward)
-        except AttributeError:
-            return True, True
-
-    def __enter__(self):
-        self.saved = [self._settings(m) for m in self.units]
-        for m in self.units:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.set_reshard_after_backward(False, recurse=False)
-            m.unshard()
-        return self
-
-    def __exit__(self, *exc):
-        for m, (fwd, bwd) in zip(self.units, self.saved):
-            m.set_reshard_after_forward(fwd, recurse=False)
-            m.set_reshard_after_backward(bwd, recurse=False)
-            m.reshard()

@@ -1,0 +1,231 @@
+"""What an algorithm is to the pipeline: a config type, a handler class, and a registry.
+
+The block pipeline (``sq.quant.pipeline``) knows no algorithm by name.  Per decoder block it
+calls the handler found for the job's config type (torchao's handler-per-config)::
+
+    observe(work)                      statistics from the block's calibration forwards
+                                       (collectives inside: every rank calls it)
+    solve(work, linear, w)             this rank's rows of one dense Linear -> Solved
+    solve_experts(work, experts, ...)  this rank's rows of every local expert of one projection
+    release(work)                      drop the block's statistics
+
+and reads three class facts: ``calibrated`` (it runs calibration data; the quantized chain is
+carried between blocks), ``fp_chain`` (it also needs the full-precision block outputs as
+targets; the pipeline computes them before ``observe``) and ``error_metric`` (what the
+report's per-layer error is measured through).
+
+A config is a frozen dataclass: its fields are the algorithm's settings, written once with
+their defaults and help.  The command line flags (``add_arguments``), the Python API's keyword
+arguments (``algo_config``) and the resume signature (``AlgoConfig.signature``) all derive
+from the fields, so an RTN run's signature holds nothing RTN does not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from sq.errors import SqError
+from sq.quant import rtn
+from sq.quant.settings import AlgoConfig
+
+__all__ = ["Algorithm", "BlockWork", "Solved", "rtn_rows", "register", "algorithm_names", "config_type",
+           "make_algorithm", "algo_config", "add_arguments", "config_from_namespace"]
+
+
+@dataclass
+class Solved:
+    """One weight's quantized rows, as data: ``q``/``scale``/``zero_point`` in the scheme's layout,
+    ``deq`` the dequantized rows (written back into the model: the quantized chain), ``H`` the
+    matrix the error is measured through (None: weight space)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    deq: torch.Tensor
+    H: torch.Tensor | None = None
+
+
+@dataclass
+class BlockWork:
+    """Everything the pipeline knows about the block being quantized, for the algorithm's hooks.
+
+    ``inputs`` / ``fp_inputs`` are this rank's local batches ``[(hidden, kwargs), ...]`` of the
+    quantized and full-precision chains; ``steps`` is the number of forwards every rank runs
+    (ranks with fewer local batches pad with ``dummy``); ``fp_out`` the full-precision block
+    outputs where the algorithm asked for them; ``state`` is the algorithm's own per-block data.
+    """
+
+    index: int
+    prefix: str
+    block: nn.Module
+    linears: list  # sq.quant.pipeline.Linear
+    experts: list  # [(prefix, experts module, scheme)]
+    inputs: list
+    fp_inputs: list
+    steps: int
+    dummy: Any
+    device: torch.device
+    rank: int
+    world: int
+    nsamples: int
+    seed: int
+    calibrate_all_experts: bool
+    fp_out: list | None = None
+    state: dict = field(default_factory=dict)
+    expert_fallback: list[str] = field(default_factory=list)  # experts no token reached (RTN instead)
+
+
+def rtn_rows(w: torch.Tensor, scheme) -> Solved:
+    """Round-to-nearest of the rows ``w [rows, in]`` (what every algorithm is compared with)."""
+    scale, zp = rtn.compute_qparams(w, scheme)
+    q = rtn.quantize(w, scale, zp, scheme)
+    return Solved(q, scale, zp, rtn.dequantize(q, scale, zp, scheme).to(w.dtype))
+
+
+class Algorithm:
+    """Handler base: RTN's behaviour, which every other algorithm refines."""
+
+    config_type: ClassVar[type[AlgoConfig]]
+    calibrated: ClassVar[bool] = False
+    fp_chain: ClassVar[bool] = False
+    error_metric: ClassVar[str] = "weight"
+
+    def __init__(self, config: AlgoConfig):
+        self.config = config
+
+    def refusals(self, model: nn.Module, assigner, world: int, ep: int) -> list[str]:
+        """Refusals that depend on the model or the launch (identical on every rank)."""
+        return []
+
+    def observe(self, work: BlockWork) -> None:
+        """Run the block on the calibration batches and keep what ``solve`` needs (collective)."""
+
+    def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
+        """This rank's rows ``w [rows, in]`` of ``linear`` (a copy; the pipeline writes ``deq`` back)."""
+        return rtn_rows(w, linear.scheme)
+
+    def solve_expert(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, e: int, w: torch.Tensor,
+                     scheme) -> Solved:
+        """Expert ``e``'s local rows ``w [rows, in]`` of projection ``pname``."""
+        return rtn_rows(w, scheme)
+
+    def solve_experts(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, local: torch.Tensor,
+                      first: int, scheme) -> list[Solved]:
+        """Every local expert of one fused projection ``local [n, rows, in]`` (experts ``first..``);
+        one ``Solved`` per expert, in order.  Algorithms override it to solve experts together."""
+        return [self.solve_expert(work, eprefix, ex, pname, first + i, local[i].detach().clone(), scheme)
+                for i in range(local.shape[0])]
+
+    def release(self, work: BlockWork) -> None:
+        """Free the block's statistics."""
+
+    def block_report(self, work: BlockWork) -> dict | None:
+        """What the report keeps about this block (None: nothing)."""
+        return None
+
+
+_BY_NAME: dict[str, type[Algorithm]] = {}
+_BY_CONFIG: dict[type[AlgoConfig], type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: ``cls`` handles ``cls.config_type`` (and ``--algo cls.config_type.name``)."""
+    name = cls.config_type.name
+    if not name or name in _BY_NAME:
+        raise ValueError(f"algorithm name {name!r} is empty or registered twice")
+    _BY_NAME[name] = cls
+    _BY_CONFIG[cls.config_type] = cls
+    return cls
+
+
+def algorithm_names() -> tuple[str, ...]:
+    return tuple(_BY_NAME)
+
+
+def config_type(name: str) -> type[AlgoConfig]:
+    if name not in _BY_NAME:
+        raise SqError(f"unknown --algo {name!r}; choose one of {', '.join(_BY_NAME)}")
+    return _BY_NAME[name].config_type
+
+
+def make_algorithm(config: AlgoConfig) -> Algorithm:
+    """The handler for ``config``, found by its type."""
+    try:
+        return _BY_CONFIG[type(config)](config)
+    except KeyError:
+        raise SqError(f"no algorithm is registered for {type(config).__name__}") from None
+
+
+def algo_config(name: str, **settings) -> AlgoConfig:
+    """``name``'s config from keyword settings (None = the default); a setting the algorithm does
+    not have is refused by name, with the ones it has."""
+    cls = config_type(name)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(k for k, v in settings.items() if k not in fields and v is not None)
+    if unknown:
+        have = ", ".join(sorted(fields)) or "none"
+        raise SqError(f"--algo {name} has no setting {', '.join(unknown)} (its settings: {have})")
+    return cls(**{k: v for k, v in settings.items() if k in fields and v is not None})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of every registered config (a field two algorithms share is one flag);
+    the default is None so a flag not given means the algorithm's own default."""
+    seen: dict[str, list[tuple[str, dataclasses.Field]]] = {}
+    for name, cls in _BY_NAME.items():
+        for f in dataclasses.fields(cls.config_type):
+            if "help" in f.metadata:
+                seen.setdefault(f.name, []).append((name, f))
+    for fname, owners in seen.items():
+        f = owners[0][1]
+        who = ", ".join(n for n, _ in owners)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        choices = f.metadata.get("choices")
+        if choices:
+            shown = next((k for k, v in choices.items() if v == default), default)
+            parser.add_argument(_flag(fname), dest=fname, default=None, choices=tuple(choices),
+                                help=f"({who}) {f.metadata['help']} (default: {shown})")
+        else:
+            kind = _field_type(f)
+            shown = "" if default is None else f" (default: {default})"
+            parser.add_argument(_flag(fname), dest=fname, default=None, type=kind, metavar=kind.__name__.upper(),
+                                help=f"({who}) {f.metadata['help']}{shown}")
+
+
+def _field_type(f: dataclasses.Field):
+    t = str(f.type)
+    if "float" in t:
+        return float
+    if "int" in t:
+        return int
+    return str
+
+
+def config_from_namespace(name: str, ns: argparse.Namespace) -> AlgoConfig:
+    """``--algo name``'s config from parsed flags; a flag of another algorithm is refused."""
+    cls = config_type(name)
+    mine = {f.name: f for f in dataclasses.fields(cls)}
+    settings, problems = {}, []
+    for other, ocls in _BY_NAME.items():
+        for f in dataclasses.fields(ocls.config_type):
+            v = getattr(ns, f.name, None)
+            if v is None or "help" not in f.metadata:
+                continue
+            if f.name not in mine:
+                problems.append(f"{_flag(f.name)} is a setting of --algo {other}, not of --algo {name}")
+                continue
+            choices = f.metadata.get("choices")
+            settings[f.name] = choices[v] if choices else v
+    if problems:
+        raise SqError(sorted(set(problems)))
+    return cls(**settings)

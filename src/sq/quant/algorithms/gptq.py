@@ -1,0 +1,125 @@
+"""GPTQ in the pipeline: Hessians from the block's calibration forward, all-reduced, then each
+rank solves the rows it holds (the maths: ``sq.quant.gptq``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
+from sq.quant.experts import ExpertCalibration
+from sq.quant.forward import block_forward
+from sq.quant.gptq import GPTQ, GPTQConfig
+
+# Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
+# a sweep holds a few copies of them).  Larger stacks amortize the per-column loop further.
+EXPERT_STACK_ELEMS = 1 << 24
+
+
+class Counting:
+    """Forward hooks on Linears that feed GPTQ Hessians, switched off for dummy batches.
+
+    Linears that read the very same input tensor (q/k/v, gate/up) share one accumulator: the
+    first batch decides, with its inputs kept alive so no address can be reused meanwhile.
+    """
+
+    def __init__(self, linears, device):
+        self.on = True
+        self.device = device
+        self.leader: dict[str, str] = {}
+        self.gptq: dict[str, GPTQ] = {}
+        self._first: dict[tuple, tuple[str, torch.Tensor]] = {}
+        self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
+
+    def _hook(self, name):
+        def hook(module, args, output):
+            x = args[0]
+            if name not in self.leader:
+                key = (x.data_ptr(), tuple(x.shape), x.dtype)
+                lead = self._first.setdefault(key, (name, x))[0]
+                self.leader[name] = lead
+                if lead == name:
+                    self.gptq[name] = GPTQ(module.in_features, device=self.device)
+            if self.on and self.leader[name] == name:
+                self.gptq[name].add_batch(x)
+        return hook
+
+    def get(self, name: str) -> GPTQ | None:
+        return self.gptq.get(self.leader.get(name, ""))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self._first.clear()
+
+
+@register
+class GPTQAlgorithm(Algorithm):
+    config_type = GPTQConfig
+    calibrated = True
+    error_metric = "output (through H)"
+
+    def observe(self, work: BlockWork) -> None:
+        """Dense Linears: Hessians summed over every rank's tokens; experts: at their owner."""
+        counting = Counting(work.linears, work.device)
+        calibs = [ExpertCalibration(ex, work.calibrate_all_experts, work.device) for _, ex, _ in work.experts]
+        block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[counting, *calibs])
+        counting.remove()
+        for c in calibs:
+            c.remove()
+        for g in counting.gptq.values():
+            n = torch.tensor([g.nsamples], dtype=torch.int64, device=work.device)
+            dist.all_reduce(g.H)
+            dist.all_reduce(n)
+            g.nsamples = int(n.item())
+        work.state["counting"] = counting
+        work.state["calibs"] = {id(c.experts): c for c in calibs}
+
+    def _rows(self, g: GPTQ | None, w: torch.Tensor, scheme, name: str) -> Solved:
+        if g is None or not w.shape[0]:
+            return rtn_rows(w, scheme)
+        r = g.quantize(w, scheme, name=name, **self.config.to_dict())
+        return Solved(r.q, r.scale, r.zero_point, r.weight.to(w.dtype), H=g.H)
+
+    def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
+        g = work.state["counting"].get(linear.name)
+        solved = self._rows(g, w, linear.scheme, linear.name)
+        solved.H = g.H if g is not None else None
+        return solved
+
+    def solve_expert(self, work, eprefix, ex, pname, e, w, scheme) -> Solved:
+        calib = work.state["calibs"].get(id(ex))
+        g = (calib.h_in if pname == "gate_up_proj" else calib.h_mid)[e] if calib is not None else None
+        if g is not None and g.nsamples == 0:
+            g = None
+            if pname == "gate_up_proj":
+                work.expert_fallback.append(f"{eprefix}.{e}")
+        return self._rows(g, w, scheme, f"{eprefix}.{e}.{pname}")
+
+    def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
+        calib = work.state["calibs"].get(id(ex))
+        shared = calib.h_in[calib.mine.start] if calib is not None and calib.calibrate_all and len(calib.mine) else None
+        if not (pname == "gate_up_proj" and shared is not None and shared.nsamples and local.shape[0] and local.shape[1]):
+            return super().solve_experts(work, eprefix, ex, pname, local, first, scheme)
+        # One Hessian for every expert (calibrate-all): GPTQ's rows are independent given it, so
+        # the experts' rows are solved stacked, a few experts per sweep, instead of one column
+        # loop per expert (same bits; see EXPERT_STACK_ELEMS).
+        n, rows, cols = local.shape
+        per = max(1, EXPERT_STACK_ELEMS // (rows * cols))
+        out = []
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            w = local[a:b].detach().reshape(-1, cols).clone()  # [(b - a) * rows, cols]
+            s = self._rows(shared, w, scheme, f"{eprefix}.{first + a}-{first + b - 1}.{pname}")
+            zs = s.zero_point.view(b - a, rows, -1).unbind(0) if s.zero_point is not None else [None] * (b - a)
+            out += [Solved(q, sc, z, d) for q, sc, z, d in zip(s.q.view(b - a, rows, -1).unbind(0),
+                                                              s.scale.view(b - a, rows, -1).unbind(0), zs,
+                                                              s.deq.view(b - a, rows, cols).unbind(0))]
+        return out
+
+    def release(self, work: BlockWork) -> None:
+        for g in work.state["counting"].gptq.values():
+            g.free()
+        for calib in work.state["calibs"].values():
+            for g in (*calib.h_in.values(), *calib.h_mid.values()):
+                g.free()

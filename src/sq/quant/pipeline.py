@@ -1,0 +1,666 @@
+"""The per-block pipeline: every rank quantizes the rows it holds, one decoder block at a time.
+
+    claim the output folder (refusals first; nothing mutated before) -> agree on the restart point
+    block-0 inputs from this rank's calibration samples (or the cached chain)
+    for each block b:
+        fill       materialize b's shards (DCP box reads)
+        check      NaN/Inf weights refused by name (or skipped), the same on every rank
+        capture    the full-precision outputs, where the algorithm tunes against them
+        observe    the algorithm's statistics from the block's calibration forward (collectives)
+        solve      the algorithm on this rank's rows / experts -> data; dequantized rows written back
+        propagate  forward again with quantized weights -> b+1's inputs (the quantized chain)
+        write      rows gathered to a round-robin writer, compressed, one shard per rank; the
+                   chain cached; b recorded in the manifest; b freed
+    rank 0: root tensors, carried keys, config, side files, report, merged index (last)
+
+It knows no algorithm by name: the handler (``sq.quant.algorithms``) is found by the config's
+type, and the pipeline reads only its ``calibrated`` / ``fp_chain`` facts and calls its hooks.
+Fill/free, gathers to the writer, resume bookkeeping and fault points live here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sq.dist import all_ok, broadcast_object
+from sq.errors import SqError
+from sq.export import writer
+from sq.export.compressed import compress_weight, quantization_config
+from sq.load.fill import local_box
+from sq.load.meta import decoder_blocks, experts_modules
+from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
+from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
+from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
+from sq.quant.experts import FUSED, export_slots, full_expert_rows, is_ep_param, local_experts
+from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
+from sq.quant.recipe import Assigner, scheme_tag
+from sq.quant.schemes import QuantScheme, check_group_size
+from sq.report import LOG_DIR, add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
+from sq.resume import RUN_DIR, Fault, RunState, describe_diff, maybe_die, signature_diff, signature_sha
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Linear", "Targets", "plan_targets", "run_pipeline", "raise_all"]
+
+
+@dataclass
+class Linear:
+    """One quantized dense Linear of a block."""
+
+    name: str  # model name of the module, e.g. model.layers.3.self_attn.q_proj
+    module: nn.Linear
+    ckpt_prefix: str  # checkpoint name minus "weight", e.g. model.layers.3.self_attn.q_proj.
+    owner: int  # writer rank
+    scheme: QuantScheme
+
+
+@dataclass
+class Targets:
+    """What the job quantizes, decided from the model and the recipe before anything is mutated."""
+
+    blocks: list[tuple[str, nn.Module]]
+    linears: list[list[Linear]]  # per block
+    experts: list[list[tuple[str, nn.Module, QuantScheme]]]  # per block: (prefix, fused experts, scheme)
+    unquantized: list[str]  # every unquantized Linear by name, and the MoE routers (vLLM builds them as Linears)
+    assignment: dict[str, str]  # module -> scheme tag
+
+
+def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> Targets:
+    blocks = decoder_blocks(model)
+    linears, k = [], 0
+    for prefix, block in blocks:
+        mine = []
+        for n, m in block.named_modules():
+            full = f"{prefix}.{n}"
+            scheme = assigner.assign(full) if isinstance(m, nn.Linear) else None
+            if scheme is not None:
+                ck = weights.ckpt_name(f"{full}.weight")
+                mine.append(Linear(full, m, ck.removesuffix("weight"), k % world, scheme))  # round-robin writers
+                k += 1
+        linears.append(mine)
+    experts = [[(f"{prefix}.{n}", ex, assigner.assign(f"{prefix}.{n}")) for n, ex in experts_modules(block)]
+               for prefix, block in blocks]
+    experts = [[e for e in es if e[2] is not None] for es in experts]
+    quantized = {l.name for ls in linears for l in ls}
+    unquantized = sorted({n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized}
+                         | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")})
+    assignment = {l.name: scheme_tag(l.scheme) for ls in linears for l in ls}
+    assignment.update({p: scheme_tag(s) for es in experts for p, _, s in es})
+    return Targets(blocks, linears, experts, unquantized, assignment)
+
+
+def raise_all(problems: list[str], what: str) -> None:
+    """Every rank raises together (the same problems where they are the same), or none does."""
+    all_ok(not problems, what)
+    if problems:
+        raise SqError(problems)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets) -> list[str]:
+    """Refusals that depend on the model (identical on every rank): group sizes, EP split, the algorithm's own."""
+    problems = []
+    world = dist.get_world_size()
+    if world % cfg.ep:
+        problems.append(f"--ep {cfg.ep} does not divide the world size {world}")
+    for prefix, block in targets.blocks:
+        for n, ex in experts_modules(block):
+            e, hidden, inter = ex._parameters["down_proj"].shape
+            scheme = assigner.assign(f"{prefix}.{n}")
+            for pname, width in (("gate_up_proj", hidden), ("down_proj", inter)):
+                try:
+                    if scheme is not None:
+                        check_group_size(f"{prefix}.{n}.{pname}", width, scheme)
+                except SqError as err:
+                    problems += err.problems
+            if cfg.ep > 1 and e % cfg.ep:
+                problems.append(f"{prefix}.{n}: {e} experts do not split evenly over --ep {cfg.ep}")
+        for n, m in block.named_modules():
+            scheme = assigner.assign(f"{prefix}.{n}") if isinstance(m, nn.Linear) else None
+            if scheme is not None:
+                try:
+                    check_group_size(f"{prefix}.{n}", m.in_features, scheme)
+                except SqError as e:
+                    problems += e.problems
+    problems += algo.refusals(model, assigner, world, cfg.ep)
+    if algo.calibrated and cfg.nsamples < world:
+        problems.append(f"--nsamples {cfg.nsamples} is smaller than the world size {world}: "
+                        "every rank needs calibration samples")
+    if not targets.assignment:
+        problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+    return problems
+
+
+def _signature(cfg, algo: Algorithm, assigner: Assigner, targets: Targets, weights, data: dict, world: int) -> dict:
+    """Everything a resumed run must share with the run it continues: the source, the job's
+    settings that change bits (calibration ones only for an algorithm that reads calibration
+    data), the algorithm's config, the resolved module -> scheme assignment, the world."""
+    sig = {
+        "source": weights.identity(),
+        "job": cfg.signature_args(calibrated=algo.calibrated),
+        "algorithm": cfg.algo.signature(),
+        "schemes": assigner.to_dict(),
+        "assignment": targets.assignment,
+        "world_size": world,
+        "blocks": [p for p, _ in targets.blocks],
+        "versions": versions(),
+    }
+    if algo.calibrated:
+        sig["dataset"] = data
+    return sig
+
+
+def output_verdict(out: Path, sig: dict, resume: str, state: RunState) -> dict:
+    """What to do with ``--output`` (rank 0, read-only): ``{"action", "problems"}``.
+
+    action: ``fresh`` (empty or new), ``resume`` (an unfinished run of the same signature),
+    ``replace`` (remove what sq wrote there, keep anything else, start over), ``complete``
+    (a finished output of the same signature).  Completion and resumption are decided from the
+    stored signature, never from the mere presence of files.
+    """
+    def verdict(action, *problems):
+        return {"action": action, "problems": list(problems)}
+
+    again = "rerun with the same command, or pass --resume never to start over"
+    try:
+        unfinished = state.read_signature()
+    except SqError as e:
+        return verdict("replace") if resume == "never" else verdict("refuse", *e.problems)
+    if unfinished is not None:
+        if resume == "never":
+            return verdict("replace")
+        changed = signature_diff(unfinished, sig)
+        if not changed:
+            return verdict("resume")
+        if not state.any_block_done():  # nothing worth keeping: a refused or failed start
+            logger.info("%s holds an unfinished run with other settings that completed no block; starting over", out)
+            return verdict("replace")
+        return verdict("refuse", f"{out} holds an unfinished run with different settings ({describe_diff(changed)}); "
+                                 f"{again}")
+    if resume == "require":
+        return verdict("refuse", f"--resume require: {out} holds no run to resume")
+    finished = writer.finished_signature(out)
+    if finished is not None:
+        changed = signature_diff(finished, sig)
+        if resume == "never":
+            return verdict("replace")
+        if not changed:
+            return verdict("complete")
+        return verdict("refuse", f"{out} holds a finished sq checkpoint made with different settings "
+                                 f"({describe_diff(changed)}); choose another folder, or pass --resume never to replace it")
+    problems = writer.output_dir_problems(out)  # anything but .sq-run/ there: never overwritten
+    if problems:
+        return verdict("refuse", *problems)
+    if (out / RUN_DIR).is_dir() and any(p.name != "lock" for p in (out / RUN_DIR).iterdir()):
+        return verdict("replace")  # a run folder that never got a signature (killed while starting)
+    return verdict("fresh")
+
+
+def claim_output(out: Path, sig: dict, resume: str, state: RunState, rank: int) -> str:
+    """Decide on rank 0, refuse together, then take the folder (lock first, then clear, then sign).
+    Returns the action; ``complete`` means there is nothing to do."""
+    verdict = broadcast_object(output_verdict(out, sig, resume, state) if rank == 0 else None)
+    raise_all(verdict["problems"], "output folder checks")
+    if verdict["action"] == "complete":
+        return "complete"
+    problems = []
+    if rank == 0:
+        try:
+            state.take_lock()
+            # under the lock, the folder must still be what the verdict was made from
+            if output_verdict(out, sig, resume, state) != verdict:
+                raise SqError(f"{out} changed while this run was starting (another sq run?); run the command again")
+            if verdict["action"] == "replace":
+                removed = state.clear(writer.written_by_sq)
+                logger.info("removed the previous run's files from %s: %s", out, ", ".join(removed) or "none")
+            if verdict["action"] != "resume":
+                state.write_signature(sig)
+        except SqError as e:
+            problems += e.problems
+        except OSError as e:
+            problems.append(f"cannot write to --output {out}: {e.strerror or e}")
+    raise_all(problems, "taking the output folder")
+    return verdict["action"]
+
+
+def _nonfinite(linears: list[Linear], experts, device) -> list[str]:
+    """The block's quantized weights holding NaN or Inf on any rank (collective; the same list on every rank)."""
+    names = [l.name for l in linears] + [f"{e}.{p}" for e, _, _ in experts for p in FUSED]
+    if not names:
+        return []
+    local = [local_box(l.module.weight)[0] for l in linears]
+    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in FUSED]
+    flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [n for n, f in zip(names, flags.tolist()) if f]
+
+
+def _nonfinite_refusal(bad: list[str], linears: list[Linear], weights, skip: bool) -> list[str]:
+    """Refusals for non-finite weights ([] where ``--skip-nonfinite`` may leave them unquantized)."""
+    dense = {l.name for l in linears}
+    problems = []
+    for n in bad:
+        if n in dense and not skip:
+            problems.append(f"{n}.weight (checkpoint key {weights.ckpt_name(n + '.weight')!r}) holds NaN or Inf "
+                            "values: its scales would be NaN. Fix the checkpoint, or pass --skip-nonfinite to leave "
+                            "such Linears unquantized")
+        elif n not in dense:
+            problems.append(f"{n} holds NaN or Inf values in some experts; --skip-nonfinite leaves dense Linears "
+                            "only: fix the checkpoint, or leave these experts out with --ignore / a recipe")
+    return problems
+
+
+def _err_terms(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor | None) -> list[float]:
+    """Numerator / denominator of the relative error (through H when given, else in weight space)."""
+    w64, d64 = w.double(), (w.double() - deq.double())
+    if H is None:
+        return [float((d64 ** 2).sum()), float((w64 ** 2).sum())]
+    return [float(((d64 @ H) * d64).sum()), float(((w64 @ H) * w64).sum())]
+
+
+def _raise_enospc() -> None:
+    raise OSError(28, "No space left on device (injected)")
+
+
+@dataclass
+class _Stats:
+    layers: dict[str, dict] = field(default_factory=dict)
+    blocks: list[dict] = field(default_factory=list)
+    experts_rtn_fallback: int = 0  # experts no calibration token reached (quantized with RTN)
+    per_block: dict[str, dict] = field(default_factory=dict)  # the algorithm's block reports, by block prefix
+
+
+class _Pipeline:
+    """One job's run over its blocks; the methods are the pipeline's stages."""
+
+    def __init__(self, cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
+                 windows: Callable[[], torch.Tensor], parallelize, t_start: float):
+        self.cfg, self.model, self.weights, self.assigner, self.data = cfg, model, weights, assigner, data
+        self.windows, self.parallelize, self.t_start = windows, parallelize, t_start
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = _device()
+        self.out = Path(cfg.output)
+        self.fault = Fault.parse(cfg.fault)
+        self.state = RunState(self.out, self.rank, enabled=cfg.bookkeeping)
+        self.algo = make_algorithm(cfg.algo)
+        self.targets = plan_targets(model, assigner, weights, self.world)
+        self.stats = _Stats()
+        self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
+
+    # ---- before anything is mutated
+    def claim(self) -> bool:
+        """Refusals, then the output folder; False when the folder is already complete."""
+        cfg = self.cfg
+        problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets)
+        self.sig = _signature(cfg, self.algo, self.assigner, self.targets, self.weights, self.data, self.world)
+        problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
+        raise_all(problems, "model and output checks")
+        if claim_output(self.out, self.sig, cfg.resume, self.state, self.rank) == "complete":
+            logger.info("%s is already complete (same model and settings); nothing to do", self.out)
+            return False
+        return True
+
+    def restart_point(self) -> int:
+        """The largest block every rank can restart from; keeps the manifests' blocks before it."""
+        n = len(self.targets.blocks)
+        self.state.load_manifest()
+        points = [None] * self.world
+        dist.all_gather_object(points, self.state.restart_points(need_chain=self.algo.calibrated, n_blocks=n))
+        start = max(set.intersection(*(set(p) for p in points)))
+        self.fragments: dict[str, str] = self.state.truncate(start)
+        # Linears an earlier run of this job left unquantized for NaN/Inf (written raw in their block)
+        self.skipped = [n for entry in self.state.manifest["blocks"] for n in entry.get("skipped_nonfinite", [])]
+        for b, ls in enumerate(self.targets.linears):
+            self.targets.linears[b] = [l for l in ls if l.name not in self.skipped]
+        if start:
+            logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, n)
+        return start
+
+    def calibration_inputs(self, start: int) -> None:
+        """This rank's samples ``rank::world`` -> block-0 inputs, or both chains from the cache."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.inputs = capture_block0(self.model, self.windows()[self.rank::self.world], self.device)
+        self.steps = math.ceil(math.ceil(cfg.nsamples / self.world) / CALIB_BATCH)
+        self.fp_inputs = self.inputs
+        if start:  # both chains from the cache, never rebuilt approximately
+            q_chain, fp_chain = self.state.read_chain(start)
+            self.inputs = [(h, kw) for h, (_, kw) in zip(q_chain, self.inputs, strict=True)]
+            if self.algo.fp_chain:
+                self.fp_inputs = [(h, kw) for h, (_, kw) in zip(fp_chain, self.fp_inputs, strict=True)]
+        self.dummy = self.inputs[0]
+
+    # ---- one block
+    def block(self, b: int) -> None:
+        t0 = time.perf_counter()
+        prefix, block = self.targets.blocks[b]
+        phase: dict[str, float] = {}
+        names = self.weights.block_names(b)
+        self.weights.fill(names)
+        phase["fill"] = time.perf_counter() - t0
+        bad = self._check_finite(b)
+        work = BlockWork(b, prefix, block, self.targets.linears[b], self.targets.experts[b], self.inputs,
+                         self.fp_inputs, self.steps, self.dummy, self.device, self.rank, self.world,
+                         self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts)
+        t = time.perf_counter()
+        if self.algo.fp_chain:  # capture: the full-precision outputs are the algorithm's targets
+            work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy)
+        if self.algo.calibrated:
+            self.algo.observe(work)
+            maybe_die(self.fault, "calib", self.rank, b)
+            phase["calibrate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        results, expert_q = self._solve(work)
+        phase["solve"] = time.perf_counter() - t
+        self._layer_errors(work, results)
+        t = time.perf_counter()
+        if self.algo.calibrated and b + 1 < len(self.targets.blocks):
+            self._propagate(work)
+            phase["forward"] = time.perf_counter() - t
+        t = time.perf_counter()
+        book = self._write(work, names, results, expert_q, bad)
+        phase["write"] = time.perf_counter() - t - book
+        phase["bookkeeping"] = book
+        report = self.algo.block_report(work)
+        if report is not None:
+            self.stats.per_block[prefix] = report
+            logger.info("block %d/%d %s", b + 1, len(self.targets.blocks),
+                        " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in report.items()))
+        total = time.perf_counter() - t0
+        self.stats.blocks.append({"block": b, "seconds": round(total, 3),
+                                  **{k: round(v, 3) for k, v in phase.items()},
+                                  "rss_anon_after": rss_breakdown()["anon"]})
+        logger.debug("block %d/%d done in %.2fs %s", b + 1, len(self.targets.blocks), total,
+                     " ".join(f"{k}={v:.2f}" for k, v in phase.items()))
+        self.progress.step(b, total)
+
+    def _check_finite(self, b: int) -> list[str]:
+        linears, experts = self.targets.linears[b], self.targets.experts[b]
+        bad = _nonfinite(linears, experts, self.device)
+        if bad:  # every rank has the same list: they refuse together, or skip the same Linears
+            refused = _nonfinite_refusal(bad, linears, self.weights, self.cfg.skip_nonfinite)
+            if refused:
+                raise SqError(refused)
+            logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
+            self.targets.linears[b] = [l for l in linears if l.name not in bad]
+            self.skipped += bad
+        return bad
+
+    def _solve(self, work: BlockWork):
+        """This rank's rows of every target -> data; the dequantized rows go back into the shard."""
+        results: dict[str, tuple[Solved, list[float]]] = {}
+        compare = self.algo.calibrated  # a data-driven algorithm's report shows RTN's error beside its own
+        for lin in work.linears:
+            local, _ = local_box(lin.module.weight)
+            w = local.detach().clone()
+            s = self.algo.solve(work, lin, w)
+            terms = _err_terms(w, s.deq, s.H)
+            if compare:  # RTN on the same rows (and the same H), for comparison in the report
+                terms += _err_terms(w, rtn_rows(w, lin.scheme).deq, s.H)
+            local.copy_(s.deq)
+            results[lin.name] = (s, terms)
+        expert_q = {}
+        for eprefix, ex, scheme in work.experts:
+            expert_q[eprefix] = {}
+            for pname in FUSED:
+                local, off = local_box(ex._parameters[pname])
+                solved = self.algo.solve_experts(work, eprefix, ex, pname, local, off[0], scheme)
+                for i, s in enumerate(solved):
+                    local[i].copy_(s.deq)
+                expert_q[eprefix][pname] = (
+                    torch.stack([s.q for s in solved]) if solved else None,
+                    torch.stack([s.scale for s in solved]) if solved else None,
+                    torch.stack([s.zero_point for s in solved]) if solved and solved[0].zero_point is not None
+                    else None)
+        self.algo.release(work)
+        return results, expert_q
+
+    def _layer_errors(self, work: BlockWork, results) -> None:
+        """Per-layer relative errors: the per-rank terms summed over ranks; expert RTN fallbacks counted."""
+        if work.linears:
+            terms = torch.tensor([results[l.name][1] for l in work.linears], dtype=torch.float64)
+            dist.all_reduce(terms)
+            for l, row in zip(work.linears, terms.tolist()):
+                entry = {"rel_err": math.sqrt(row[0] / row[1]) if row[1] > 0 else 0.0,
+                         "metric": self.algo.error_metric, "scheme": scheme_tag(l.scheme)}
+                if len(row) > 2:
+                    entry["rtn_rel_err"] = math.sqrt(row[2] / row[3]) if row[3] > 0 else 0.0
+                self.stats.layers[l.name] = entry
+        if work.experts:
+            every = [None] * self.world
+            dist.all_gather_object(every, work.expert_fallback)
+            self.stats.experts_rtn_fallback += len(set().union(*every))  # dp replicas name the same experts
+
+    def _propagate(self, work: BlockWork) -> None:
+        """The quantized chain: the next block's inputs (and the fp chain where the algorithm keeps it)."""
+        outs = block_forward(work.block, self.inputs, self.steps, self.dummy)
+        self.inputs = [(y, kw) for y, (_, kw) in zip(outs, self.inputs)]
+        if self.algo.fp_chain:
+            self.fp_inputs = [(y, kw) for y, (_, kw) in zip(work.fp_out, self.fp_inputs)]
+        self.dummy = self.inputs[0]
+
+    def _write(self, work: BlockWork, names, results, expert_q, bad) -> float:
+        """Gather each Linear's rows on its writer and compress; rank 0 writes the rest whole; then the
+        chain cache and the manifest.  Returns the seconds spent on resume bookkeeping."""
+        b, rank, fault = work.index, self.rank, self.fault
+        tensors: dict[str, torch.Tensor] = {}
+        for lin in work.linears:
+            s = results[lin.name][0]
+            out_f, in_f = lin.module.out_features, lin.module.in_features
+            rows = dim0_counts(out_f, self.world)
+            fq = gather_rows(s.q, rows, lin.owner)
+            fs = gather_rows(s.scale, rows, lin.owner)
+            fz = gather_rows(s.zero_point, rows, lin.owner) if s.zero_point is not None else None
+            if rank == lin.owner:
+                for rel, v in compress_weight((fq, fs, fz), lin.scheme, (out_f, in_f)).items():
+                    tensors[lin.ckpt_prefix + rel] = v
+        for (eprefix, ex, scheme) in work.experts:
+            tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme))
+        skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in FUSED}
+        params = dict(self.model.named_parameters())
+        for n in names:
+            if n in skip:
+                continue
+            t_ = full_tensor(params[n] if n in params else self.model.get_buffer(n))
+            if rank == 0:
+                tensors[self.weights.ckpt_name(n)] = t_.detach().clone()
+        shard = writer.shard_name(rank, b)
+        die = None
+        if fault is not None and fault.hit("mid-shard-write", rank, b):
+            die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
+        elif fault is not None and fault.hit("enospc", rank, b):
+            die = _raise_enospc
+        book = {}  # resume bookkeeping: checksum, chain cache, manifest (reported on its own)
+        rec = writer.write_shard(self.out, shard, tensors, die_midway=die, checksum=self.cfg.bookkeeping, timings=book)
+        maybe_die(fault, "after-shard-write", rank, b)
+        if rec:
+            self.fragments.update({k: shard for k in rec["tensors"]})
+        t_book = time.perf_counter()
+        if self.algo.calibrated and b + 1 < len(self.targets.blocks):
+            self.state.write_chain(b + 1, [h for h, _ in self.inputs],
+                                   [h for h, _ in self.fp_inputs] if self.algo.fp_chain else None)
+        self.state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
+        book_s = book.get("checksum", 0.0) + time.perf_counter() - t_book
+        self.weights.free(names)
+        del tensors
+        trim_heap()
+        return book_s
+
+    # ---- after the blocks
+    def finish(self, start: int) -> dict:
+        """Root tensors, then rank 0's final stage that every rank waits for."""
+        rank, world, weights = self.rank, self.world, self.weights
+        params = dict(self.model.named_parameters())
+        root = {}
+        for n in weights.root_names:  # whole, under the checkpoint's own names (a tied alias has no key)
+            t = full_tensor(params[n] if n in params else self.model.get_buffer(n))
+            if rank == 0:
+                root[weights.ckpt_name(n)] = t.detach().clone()
+        if rank == 0:
+            self.fragments.update(writer.write_tensors(self.out, writer.shard_name(0, None), root))
+            self.fragments.update(weights.write_extras(self.out))
+        mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": _peak_gpu(self.device),
+                "blocks": self.stats.blocks}
+        all_frags, all_mine = [None] * world, [None] * world
+        dist.all_gather_object(all_frags, self.fragments)
+        dist.all_gather_object(all_mine, mine)
+        # rank 0 writes config, side files, report and (last) the index; every rank learns how that
+        # went, so a failure there fails the whole job and no rank tears down while rank 0 still works
+        report, err = {}, None
+        if rank == 0:
+            try:
+                report = self._report(all_mine, start)
+                groups = _config_groups(self.targets, weights)
+                unquantized = sorted({*self.targets.unquantized, *self.skipped})
+                _finish(self.out, weights, groups, unquantized, report, all_frags, self.fault, self.state)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
+                err = e
+        all_ok(err is None, "writing the config, report and index")
+        if err is not None:
+            raise err
+        return report
+
+    def _report(self, all_mine: list, start: int) -> dict:
+        cfg, weights = self.cfg, self.weights
+        report = {
+            "args": cfg.to_dict(),
+            "source": weights.describe(),
+            "scheme": self.assigner.default.to_dict() if self.assigner.default is not None else None,
+            "recipe": self.assigner.to_dict() if cfg.recipe else None,
+            "assignment": self.targets.assignment,
+            "world_size": self.world,
+            "versions": versions(),
+            "ignored_linears": self.targets.unquantized,
+            "carried_over": weights.carried,
+            "seconds": round(time.perf_counter() - self.t_start, 3),
+            "ranks": all_mine,
+            "layers": self.stats.layers,
+            "experts_rtn_fallback": self.stats.experts_rtn_fallback,
+            "resumed_from_block": start,
+            "skipped_nonfinite": self.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
+        }
+        if self.stats.per_block:
+            report[cfg.algo.name] = self.stats.per_block
+        # what a rerun compares itself with to know the folder is complete (sq.resume.signed_json)
+        report["run_signature"], report["run_signature_sha256"] = self.sig, signature_sha(self.sig)
+        return report
+
+
+@torch.no_grad()
+def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict, windows, parallelize,
+                 t_start: float) -> dict:
+    """The job, whatever the weights' source (a checkpoint, or a model in memory): refusals,
+    output folder, blocks, final stage.  Returns the report on rank 0, ``{}`` elsewhere."""
+    p = _Pipeline(cfg, model, weights, assigner, data, windows, parallelize, t_start)
+    if not p.claim():
+        return {"complete": True}
+    log_file = add_log_file(p.out / LOG_DIR / f"rank-{p.rank:05d}.log")
+    n_blocks = len(p.targets.blocks)
+    logger.info("quantizing %s -> %s on %d rank(s): %d Linears, %d expert groups", weights.describe(), p.out,
+                p.world, sum(len(ls) for ls in p.targets.linears), sum(len(es) for es in p.targets.experts))
+    try:
+        model.set_attn_implementation("sdpa")  # None mask == causal, no padding in calibration windows
+    except Exception:  # noqa: BLE001 - older transformers: keep the default
+        pass
+    start = p.restart_point()
+    if parallelize is not None:
+        parallelize()
+    weights.fill(weights.root_names)
+    if p.algo.calibrated and start < n_blocks:
+        p.calibration_inputs(start)
+    p.progress = block_progress(n_blocks, start, bar=p.rank == 0)
+    for b in range(start, n_blocks):
+        p.block(b)
+    p.progress.close()
+    try:
+        return p.finish(start)
+    finally:
+        remove_log_file(log_file)
+
+
+def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme) -> dict[str, torch.Tensor]:
+    """Compressed per-expert tensors under checkpoint-layout names, written by the rank holding them.
+
+    Under EP with dp > 1 an expert's rows are spread over the dp group: they are gathered there
+    and the dp rank ``e % dp`` writes the expert.
+    """
+    tensors = {}
+    mine = local_experts(ex)
+    p0 = ex._parameters["down_proj"]
+    dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
+    full = {}
+    for pname in FUSED:
+        p = ex._parameters[pname]
+        q, scale, zp = qdata[pname]
+        if q is None:
+            continue
+        full[pname] = tuple(full_expert_rows(t, p) if t is not None else None for t in (q, scale, zp))
+    for slot in export_slots(eprefix, ex, pieces):
+        if slot.expert not in mine or slot.expert % dp != dp_rank or slot.param not in full:
+            continue
+        q, scale, zp = full[slot.param]
+        i = slot.expert - mine.start
+        sl = slice(slot.lo, slot.hi)
+        w = (q[i, sl], scale[i, sl], zp[i, sl] if zp is not None else None)
+        for rel, v in compress_weight(w, scheme, tuple(w[0].shape)).items():
+            tensors[slot.ckpt_prefix + rel] = v
+    return tensors
+
+
+def _finish(out: Path, weights, groups, unquantized, report: dict, all_frags, fault, state) -> None:
+    """Rank 0: config, side files, report, summary, picture; the merged index last."""
+    config = weights.config
+    config["quantization_config"] = quantization_config(groups, unquantized)
+    writer.write_json(out / "config.json", config)
+    report["side_files"] = weights.write_side_files(out)
+    writer.write_json(out / writer.REPORT_NAME, report)
+    for line in summary_lines(report):
+        logger.info("%s", line)
+    picture = write_report_png(report, out / writer.REPORT_PNG)
+    if picture is not None:
+        logger.info("report picture: %s", picture)
+    writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
+    state.finish()  # the index and config exist: the run folder is no longer needed
+
+
+def _config_groups(targets: Targets, weights) -> dict:
+    """``{scheme: targets}`` for ``quantization_config``: the largest group targets ``Linear``, the
+    others their modules by exact name (compressed-tensors and vLLM prefer an exact name to a class)."""
+    members: dict[QuantScheme, list[str]] = {}
+    for ls in targets.linears:
+        for l in ls:
+            members.setdefault(l.scheme, []).append(l.ckpt_prefix.removesuffix("."))
+    for es in targets.experts:
+        for eprefix, ex, scheme in es:
+            names = sorted({s.ckpt_prefix.removesuffix(".") for s in export_slots(eprefix, ex, weights.expert_pieces)})
+            members.setdefault(scheme, []).extend(names)
+    if len(members) <= 1:
+        return {s: ["Linear"] for s in members}
+    biggest = max(members, key=lambda s: len(members[s]))
+    return {s: (["Linear"] if s == biggest else names) for s, names in members.items()}
+
+
+def versions() -> dict[str, Any]:
+    import compressed_tensors
+    import transformers
+
+    import sq
+
+    return {"sq": getattr(sq, "__version__", "dev"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "compressed_tensors": compressed_tensors.__version__}
+
+
+def _peak_gpu(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
