@@ -57,7 +57,6 @@ LOADERS = ("sq_ep1", "sq_ep2", "hf", "hf_fsdp2", "hf_fsdp2_ep2")
 #   _prefetch  _pread + POSIX_FADV_WILLNEED on all of a call's byte ranges first (async, deep queue)
 #   _nodist    dcp.load(no_dist=True): no DCP plan/result collectives per block          install_nodist
 EXPERIMENTS = ("sq_ep1_pread", "sq_ep2_pread", "sq_ep1_prefetch", "sq_ep1_nodist", "sq_ep1_prefetch_nodist")
-INDEX = "model.safetensors.index.json"
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -84,6 +83,8 @@ def build_checkpoint(layout: str, size: dict = SIZE, shards: int = SHARDS) -> Pa
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from sq.files import INDEX_NAME
 
     tag = f"qwen3moe-{layout}-L{size['num_hidden_layers']}-E{size['num_experts']}-H{size['hidden_size']}"
     out = WORK / tag
@@ -134,12 +135,12 @@ def build_checkpoint(layout: str, size: dict = SIZE, shards: int = SHARDS) -> Pa
         del tensors
         print(f"  wrote {tmp.name}/{fname}", flush=True)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     cfg = json.loads((tpl / "config.json").read_text())
     cfg["num_hidden_layers"] = size["num_hidden_layers"]
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for p in tpl.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json", ".done"):
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, "config.json", ".done"):
             shutil.copy(p, tmp / p.name)
     for p in tmp.iterdir():
         with open(p, "rb") as f:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-INDEX = "model.safetensors.index.json"
+from sq.files import INDEX_NAME
 
 
 def copy_ckpt(src, dst) -> Path:
@@ -20,14 +20,14 @@ def copy_ckpt(src, dst) -> Path:
 def edit_tensors(path, fn) -> None:
     """Apply ``fn(dict name->tensor) -> dict`` to every shard and rewrite the index to match."""
     path = Path(path)
-    index = json.loads((path / INDEX).read_text())
+    index = json.loads((path / INDEX_NAME).read_text())
     weight_map = {}
     for f in sorted(set(index["weight_map"].values())):
         tensors = fn(load_file(path / f))
         save_file(tensors, path / f, metadata={"format": "pt"})
         weight_map.update({k: f for k in tensors})
     index["weight_map"] = weight_map
-    (path / INDEX).write_text(json.dumps(index, indent=2))
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2))
 
 
 def edit_config(path, **changes) -> None:
@@ -42,7 +42,7 @@ def edit_config(path, **changes) -> None:
 
 
 def edit_index(path, fn) -> None:
-    p = Path(path) / INDEX
+    p = Path(path) / INDEX_NAME
     index = json.loads(p.read_text())
     index["weight_map"] = fn(index["weight_map"])
     p.write_text(json.dumps(index, indent=2))

@@ -140,7 +140,7 @@ def test_unsupported_file_type(tmp_path):
 def test_tokenize_corpus_adds_no_special_tokens(tmp_path):
     from transformers import AutoTokenizer
 
-    from sq.testing.checkpoints import build_tokenizer
+    from sq.synthetic import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path, 512))
     tokens = tokenize_corpus(tok, "def f(x):\n    return x\n")
@@ -175,7 +175,7 @@ def tokenizer(tmp_path_factory):
     """The fixtures' byte-level BPE; it has no chat template."""
     from transformers import AutoTokenizer
 
-    from sq.testing.checkpoints import build_tokenizer
+    from sq.synthetic import build_tokenizer
 
     return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok"), 512))
 
@@ -185,7 +185,7 @@ def chat_tokenizer(tmp_path_factory):
     """The same tokenizer with CHAT_TEMPLATE, saved and loaded back as a model folder would hold it."""
     from transformers import AutoTokenizer
 
-    from sq.testing.checkpoints import build_tokenizer
+    from sq.synthetic import build_tokenizer
 
     folder = build_tokenizer(tmp_path_factory.mktemp("chat-tok"), 512)
     tok = AutoTokenizer.from_pretrained(folder)

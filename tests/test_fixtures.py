@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sq.files import INDEX_NAME
 from sq.testing.checkpoints import (
     FIXTURES,
-    INDEX_NAME,
     load_with_transformers,
     mtp_keys,
     read_index,

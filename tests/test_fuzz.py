@@ -33,9 +33,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_edit import INDEX, read_header, write_header
+from ckpt_edit import read_header, write_header
 from hostile import Hostile, run_hostile
 from sq.errors import SqError
+from sq.files import INDEX_NAME
 from sq.load.loader import plan_load
 from sq.load.meta import build_skeleton
 from sq.load.source import scan_checkpoint
@@ -268,7 +269,7 @@ def safetensors_view(folder: Path) -> dict[str, dict[str, tuple[str, tuple]]] | 
 
 def _index_map(folder: Path):
     try:
-        return json.loads((folder / INDEX).read_text())["weight_map"]
+        return json.loads((folder / INDEX_NAME).read_text())["weight_map"]
     except Exception:  # noqa: BLE001
         return None
 
@@ -315,14 +316,14 @@ def make_mutant(folder: Path, i: int, originals: dict[str, bytes]) -> tuple[str,
     shards = sorted(n for n in originals if n.endswith(".safetensors"))
     kind = rng.choices(["header", "raw", "index"], weights=[6, 2, 3])[0]
     if kind == "index":
-        index = json.loads(originals[INDEX])
+        index = json.loads(originals[INDEX_NAME])
         mutated, what = _index_mutation(rng, index, shards)
         if rng.random() < 0.3 and isinstance(mutated, dict) and isinstance(mutated.get("weight_map"), dict) \
                 and mutated["weight_map"]:
             mutated, more = _index_mutation(rng, mutated, shards)
             what += f"; {more}"
-        (folder / INDEX).write_text(json.dumps(mutated))
-        return INDEX, what
+        (folder / INDEX_NAME).write_text(json.dumps(mutated))
+        return INDEX_NAME, what
     name = rng.choice(shards)
     path = folder / name
     header, data = read_header(path)
@@ -344,7 +345,7 @@ def make_mutant(folder: Path, i: int, originals: dict[str, bytes]) -> tuple[str,
 
 def test_fuzz_headers_and_index(fuzz_base):
     folder, model = fuzz_base
-    names = [p.name for p in folder.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX]
+    names = [p.name for p in folder.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_NAME]
     originals = {n: (folder / n).read_bytes() for n in names}
     original_view, original_map = safetensors_view(folder), _index_map(folder)
     assert judge(folder, model, original_view, original_map) == "accepted"
@@ -376,7 +377,7 @@ def test_fuzz_headers_and_index(fuzz_base):
 def test_fuzz_mutants_through_the_cli(seed_offset, checkpoints, tmp_path):
     """A refused mutant, seeded, through ``python -m sq.ptq`` at 2 ranks: the same refusal, cleanly, from every rank."""
     src = shutil.copytree(checkpoints["llama"], tmp_path / "ckpt")
-    names = [p.name for p in src.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX]
+    names = [p.name for p in src.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_NAME]
     originals = {n: (src / n).read_bytes() for n in names}
     for i in range(1000 * seed_offset, 1000 * seed_offset + 1000):  # the first mutant whose scan names its file
         file, what = make_mutant(src, i, originals)

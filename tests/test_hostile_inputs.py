@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_edit import INDEX, copy_ckpt, edit_config, edit_header, edit_index, read_header
+from ckpt_edit import copy_ckpt, edit_config, edit_header, edit_index, read_header
 from harness import run_ranks
 from hostile import Hostile, run_hostile
+from sq.files import INDEX_NAME
 
 BINARY = bytes(range(256)) * 8  # not UTF-8, not JSON, not YAML
 
@@ -32,7 +33,7 @@ def _ptq(src: Path, tmp: Path, *extra: str, algo: str = "rtn") -> list[str]:
 def _header_case(tmp: Path, ck, edit, what: str) -> Hostile:
     """Edit the header entry of the first tensor of the first shard; the refusal names file, key and field."""
     src = _copy(tmp, ck)
-    weight_map = json.loads((src / INDEX).read_text())["weight_map"]
+    weight_map = json.loads((src / INDEX_NAME).read_text())["weight_map"]
     key = sorted(weight_map)[0]
     file = src / weight_map[key]
     edit_header(file, lambda h: {**h, key: edit(h[key])})
@@ -90,28 +91,28 @@ def header_overlapping_offsets(tmp, ck) -> Hostile:
 
 def index_is_a_list(tmp, ck) -> Hostile:
     src = _copy(tmp, ck)
-    (src / INDEX).write_text(json.dumps(sorted(json.loads((src / INDEX).read_text())["weight_map"].items())))
-    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX)}.*JSON object", protect=[src])
+    (src / INDEX_NAME).write_text(json.dumps(sorted(json.loads((src / INDEX_NAME).read_text())["weight_map"].items())))
+    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX_NAME)}.*JSON object", protect=[src])
 
 
 def index_weight_map_bad_values(tmp, ck) -> Hostile:
     src = _copy(tmp, ck)
-    key = sorted(json.loads((src / INDEX).read_text())["weight_map"])[0]
+    key = sorted(json.loads((src / INDEX_NAME).read_text())["weight_map"])[0]
     edit_index(src, lambda m: {**m, key: [m[key]]})
-    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX)}.*weight_map.*'{re.escape(key)}'", protect=[src])
+    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX_NAME)}.*weight_map.*'{re.escape(key)}'", protect=[src])
 
 
 def index_weight_map_not_a_dict(tmp, ck) -> Hostile:
     src = _copy(tmp, ck)
     edit_index(src, lambda m: sorted(m.items()))
-    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX)}.*weight_map", protect=[src])
+    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX_NAME)}.*weight_map", protect=[src])
 
 
 def index_nul_in_file_name(tmp, ck) -> Hostile:
     src = _copy(tmp, ck)
-    key = sorted(json.loads((src / INDEX).read_text())["weight_map"])[0]
+    key = sorted(json.loads((src / INDEX_NAME).read_text())["weight_map"])[0]
     edit_index(src, lambda m: {**m, key: "model\x00.safetensors"})
-    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX)}.*NUL", protect=[src])
+    return Hostile(_ptq(src, tmp), rf"{re.escape(INDEX_NAME)}.*NUL", protect=[src])
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -204,7 +205,7 @@ def no_tokenizer_for_signround(tmp, ck) -> Hostile:
 
 
 def tokenizer_larger_than_embeddings(tmp, ck) -> Hostile:
-    from sq.testing.checkpoints import build_tokenizer
+    from sq.synthetic import build_tokenizer
 
     src = _copy(tmp, ck)
     build_tokenizer(src, 1024)  # the model's embedding has 512 rows

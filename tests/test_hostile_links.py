@@ -30,9 +30,10 @@ from harness import run_cli, run_torchrun
 from hostile import Hostile, run_hostile, snapshot
 from sq.errors import SqError
 from sq.export.writer import copy_side_files
+from sq.files import SIDE_FILES
 from sq.load import source as source_mod
 from sq.load.meta import tokenizer_problems
-from sq.load.source import SIDE_FILES, link_problem, open_checked, scan_checkpoint
+from sq.load.source import link_problem, open_checked, scan_checkpoint
 
 GS = "32"
 RTN = ["--algo", "rtn", "--scheme", "W4A16", "--group-size", GS]
@@ -272,8 +273,9 @@ def test_a_link_swapped_in_after_the_check_is_not_followed(checkpoints, tmp_path
 def test_side_files_are_one_list():
     import sq.export.writer as writer
     import sq.hub as hub
+    import sq.load.source as source
 
-    assert writer.SIDE_FILES is SIDE_FILES
+    assert writer.SIDE_FILES is SIDE_FILES and source.SIDE_FILES is SIDE_FILES  # imported from sq.files
     assert set(SIDE_FILES) | {"config.json"} <= set(hub.METADATA_PATTERNS)
     assert "vocab.txt" in SIDE_FILES and "config.json" not in SIDE_FILES
 

@@ -1,4 +1,4 @@
-"""sq.hub: a hub id is downloaded by rank 0 alone (config, tokenizer, safetensors; never pickle),
+"""sq.hub and sq.demo.resolve_model_dist: a hub id is downloaded by rank 0 alone (config, tokenizer, safetensors; never pickle),
 every rank gets the same folder or the same error."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from sq.demo import resolve_model_dist
+from sq.dist import run_on_rank0
 from sq.errors import SqError
-from sq.hub import resolve_model_dist, run_on_rank0
 
 from harness import run_ranks
 

@@ -1,8 +1,7 @@
 """sq: distributed, resumable post-training quantization of huge Hugging Face checkpoints."""
 
 from sq.errors import LoadRefused, SqError
-
-__version__ = "0.1.0"
+from sq.version import __version__
 
 __all__ = ["LoadRefused", "SqError", "__version__", "load_sharded", "quantize"]
 

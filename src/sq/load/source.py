@@ -17,18 +17,9 @@ from pathlib import Path
 
 import torch
 
-from sq.errors import SqError
+from sq.errors import LoadRefused, SqError
+from sq.files import INDEX_NAME, SIDE_FILES
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-# What transformers reads next to the weights besides config.json (generation config, every
-# tokenizer format it knows; none of them pickle): checked at scan time, copied into the output
-# (sq.export.writer), downloaded with a hub model (sq.hub).  The one definition.
-SIDE_FILES = (
-    "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
 # huggingface_hub names a blob by its etag: the git blob sha1 (40 hex) or the LFS sha256 (64 hex)
 _HUB_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -304,8 +295,6 @@ def read_config(root: str | os.PathLike) -> dict:
         LoadRefused: naming the file: the folder or the file is missing, the file is a folder or
             a link sq refuses, it is not UTF-8 JSON, not an object, or its ``auto_map`` is not one.
     """
-    from sq.errors import LoadRefused
-
     root = Path(root)
     path = root / "config.json"
     if not root.is_dir():

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from sq.calib.data import calibration_windows, load_tokenizer, read_corpus_dist, tokenize_corpus
+from sq.demo import resolve_model_dist
 from sq.dist import ParallelDims
 from sq.errors import SqError
-from sq.hub import resolve_model_dist
+from sq.files import sha256_bytes
 from sq.load.loader import plan_load
 from sq.load.meta import build_skeleton
 from sq.parallel.fsdp import apply_parallel
@@ -29,7 +30,6 @@ from sq.quant.gptq import GPTQConfig
 from sq.quant.pipeline import raise_all, run_pipeline
 from sq.quant.recipe import make_assigner
 from sq.quant.weights import CheckpointWeights
-from sq.resume import sha256_bytes
 
 __all__ = ["PTQConfig", "quantize_model"]
 

@@ -208,13 +208,13 @@ def register_format(fmt: type[Format] | Format):
     if inst.name in _FORMATS:
         raise ValueError(f"format {inst.name!r} is already registered")
     _FORMATS[inst.name] = inst
-    _resolve.cache_clear()
+    _registry_changed()
     return fmt
 
 
 def unregister_format(name: str) -> None:
     _FORMATS.pop(name)
-    _resolve.cache_clear()
+    _registry_changed()
 
 
 def get_format(name: str) -> Format:
@@ -245,8 +245,15 @@ def format_for(scheme: SchemeFields) -> Format:
     return _resolve(scheme)
 
 
+@functools.lru_cache(maxsize=256)
 def spec_for(scheme: SchemeFields) -> P.QuantSpec:
+    """The maths of ``scheme`` (cached: GPTQ asks once per column)."""
     return _resolve(scheme).spec(scheme)
+
+
+def _registry_changed() -> None:
+    _resolve.cache_clear()
+    spec_for.cache_clear()
 
 
 # ------------------------------------------------------------------ row independence
@@ -280,8 +287,10 @@ def required_reductions(scheme: SchemeFields) -> list[Reduction]:
 
 
 def row_independent(scheme: SchemeFields) -> bool:
-    """True if ranks can quantize their own rows with ``scheme`` with no reduction at all."""
-    return not P.cross_row_stats(spec_for(scheme))
+    """True if ``scheme``'s scales depend only on the rows being quantized, given its format's
+    declared reductions (:func:`check_row_shardable` would pass)."""
+    fmt = format_for(scheme)
+    return set(P.cross_row_stats(fmt.spec(scheme))) <= {r.stat for r in fmt.reductions(scheme)}
 
 
 # ------------------------------------------------------------------ registrations

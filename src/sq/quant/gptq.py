@@ -168,6 +168,22 @@ class GPTQ:
         self.H = None
         self._prepared = None
 
+    def _check_solvable(self, w: Tensor, name: str) -> None:
+        """Refuse a weight this accumulator cannot solve: freed, another width, not float, no tokens."""
+        if self.H is None:
+            raise RuntimeError(f"{name}: GPTQ.quantize after free()")
+        if w.ndim != 2 or w.shape[1] != self.in_features:
+            raise SqError(
+                f"{name}: weight shape {tuple(w.shape)} does not match the Hessian width {self.in_features}"
+            )
+        if not w.is_floating_point():
+            raise SqError(f"{name}: expected a floating-point weight, got {w.dtype}")
+        if self.nsamples == 0:
+            raise SqError(
+                f"{name}: no calibration tokens reached this layer, so GPTQ has nothing to solve "
+                f"against; calibrate all experts, use more samples, or quantize it with rtn"
+            )
+
     def _prepare(self, cfg: GPTQConfig, dev: torch.device, name: str) -> _Prepared:
         """The solve's Hessian-only part, computed once per settings and device (see the module doc)."""
         key = (cfg.percdamp, cfg.actorder, cfg.max_retries, cfg.damp_growth, str(dev), self.nsamples)
@@ -215,19 +231,7 @@ class GPTQ:
         """
         cfg = GPTQConfig(blocksize, percdamp, actorder, static_groups, max_retries, damp_growth)
         t0 = time.perf_counter()
-        if self.H is None:
-            raise RuntimeError(f"{name}: GPTQ.quantize after free()")
-        if w.ndim != 2 or w.shape[1] != self.in_features:
-            raise SqError(
-                f"{name}: weight shape {tuple(w.shape)} does not match the Hessian width {self.in_features}"
-            )
-        if not w.is_floating_point():
-            raise SqError(f"{name}: expected a floating-point weight, got {w.dtype}")
-        if self.nsamples == 0:
-            raise SqError(
-                f"{name}: no calibration tokens reached this layer, so GPTQ has nothing to solve "
-                f"against; calibrate all experts, use more samples, or quantize it with rtn"
-            )
+        self._check_solvable(w, name)
         check_group_size(name, self.in_features, scheme)
         rows, cols = w.shape
         wdtype = w.dtype
@@ -325,19 +329,8 @@ class GPTQ:
             Q = Q[:, torch.argsort(perm)]
         weight = rtn.dequantize(Q, scale, zp, scheme)
 
-        # Output error through the Hessian, relative: ||(W - Q) X^T|| / ||W X^T||.  With
-        # U^T U = (H + damp I)^-1 the sweep's errors satisfy D = Err U, so
-        # tr(D (H + damp I) D^T) = ||Err||^2 = 2 * loss: only the denominator needs a
-        # matmul.  (Checked against the direct trace to ~1e-7.)  Dead columns are zero in
-        # both W and Q as GPTQ saw them and have no weight in the true H.
         loss = float(losses.sum())
-        Wd = w.to(torch.float32, copy=True)
-        Wd[:, dead] = 0
-        D = Wd - weight.to(torch.float32)
-        num = max(2.0 * loss - damp * float((D * D).sum()), 0.0)
-        den = float(((Wd @ H_err) * Wd).sum())
-        rel_err = math.sqrt(num / den) if den > 0 else 0.0
-        del D, Wd
+        rel_err = _relative_error(w, weight, dead, H_err, loss, damp)
 
         return GPTQResult(
             q=Q,
@@ -367,6 +360,22 @@ class _Prepared:
     Hinv: Tensor  # upper factor of the damped inverse, in sweep order, float32
     damp: float
     retries: int
+
+
+def _relative_error(w: Tensor, weight: Tensor, dead: Tensor, H_err: Tensor, loss: float, damp: float) -> float:
+    """Output error through the Hessian, relative: ``||(W - Q) X^T|| / ||W X^T||``.
+
+    With ``U^T U = (H + damp I)^-1`` the sweep's errors satisfy ``D = Err U``, so
+    ``tr(D (H + damp I) D^T) = ||Err||^2 = 2 * loss``: only the denominator needs a matmul.
+    (Checked against the direct trace to ~1e-7.)  Dead columns are zero in both W and Q as
+    GPTQ saw them and have no weight in the true H.
+    """
+    Wd = w.to(torch.float32, copy=True)
+    Wd[:, dead] = 0
+    D = Wd - weight.to(torch.float32)
+    num = max(2.0 * loss - damp * float((D * D).sum()), 0.0)
+    den = float(((Wd @ H_err) * Wd).sum())
+    return math.sqrt(num / den) if den > 0 else 0.0
 
 
 def _channel(scheme: QuantScheme) -> QuantScheme:

@@ -35,17 +35,19 @@ from sq.dist import all_ok, broadcast_object
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
+from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, shard_name, written_by_sq
 from sq.load.fill import local_box
 from sq.load.meta import decoder_blocks, experts_modules
 from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
+from sq.quant import formats
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
 from sq.quant.experts import FUSED, export_slots, full_expert_rows, is_ep_param, local_experts
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.quant.schemes import QuantScheme, check_group_size
-from sq.report import LOG_DIR, add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
-from sq.resume import RUN_DIR, Fault, RunState, describe_diff, maybe_die, signature_diff, signature_sha
+from sq.report import add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
+from sq.resume import Fault, RunState, describe_diff, maybe_die, signature_diff, signature_sha
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +136,29 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
                     check_group_size(f"{prefix}.{n}", m.in_features, scheme)
                 except SqError as e:
                     problems += e.problems
+    problems += _row_shard_problems(targets)
     problems += algo.refusals(model, assigner, world, cfg.ep)
     if algo.calibrated and cfg.nsamples < world:
         problems.append(f"--nsamples {cfg.nsamples} is smaller than the world size {world}: "
                         "every rank needs calibration samples")
     if not targets.assignment:
         problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+    return problems
+
+
+def _row_shard_problems(targets: Targets) -> list[str]:
+    """The row-independence contract, enforced: every rank quantizes only its rows, so a scheme whose
+    scales read statistics across rows must declare them as reductions (``sq.quant.formats``), and
+    the pipeline must apply them before any rank solves (none is applied yet: such schemes are refused)."""
+    schemes = {l.scheme for ls in targets.linears for l in ls} | {s for es in targets.experts for _, _, s in es}
+    problems = []
+    for scheme in sorted(schemes, key=scheme_tag):
+        try:
+            if formats.required_reductions(scheme):
+                problems.append(f"scheme {scheme_tag(scheme)} needs statistics reduced across ranks before "
+                                "rows are quantized, which this pipeline does not apply yet")
+        except SqError as e:
+            problems += e.problems
     return problems
 
 
@@ -223,7 +242,7 @@ def claim_output(out: Path, sig: dict, resume: str, state: RunState, rank: int) 
             if output_verdict(out, sig, resume, state) != verdict:
                 raise SqError(f"{out} changed while this run was starting (another sq run?); run the command again")
             if verdict["action"] == "replace":
-                removed = state.clear(writer.written_by_sq)
+                removed = state.clear(written_by_sq)
                 logger.info("removed the previous run's files from %s: %s", out, ", ".join(removed) or "none")
             if verdict["action"] != "resume":
                 state.write_signature(sig)
@@ -476,7 +495,7 @@ class _Pipeline:
             t_ = full_tensor(params[n] if n in params else self.model.get_buffer(n))
             if rank == 0:
                 tensors[self.weights.ckpt_name(n)] = t_.detach().clone()
-        shard = writer.shard_name(rank, b)
+        shard = shard_name(rank, b)
         die = None
         if fault is not None and fault.hit("mid-shard-write", rank, b):
             die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
@@ -509,7 +528,7 @@ class _Pipeline:
             if rank == 0:
                 root[weights.ckpt_name(n)] = t.detach().clone()
         if rank == 0:
-            self.fragments.update(writer.write_tensors(self.out, writer.shard_name(0, None), root))
+            self.fragments.update(writer.write_tensors(self.out, shard_name(0, None), root))
             self.fragments.update(weights.write_extras(self.out))
         mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": _peak_gpu(self.device),
                 "blocks": self.stats.blocks}
@@ -625,10 +644,10 @@ def _finish(out: Path, weights, groups, unquantized, report: dict, all_frags, fa
     config["quantization_config"] = quantization_config(groups, unquantized)
     writer.write_json(out / "config.json", config)
     report["side_files"] = weights.write_side_files(out)
-    writer.write_json(out / writer.REPORT_NAME, report)
+    writer.write_json(out / REPORT_NAME, report)
     for line in summary_lines(report):
         logger.info("%s", line)
-    picture = write_report_png(report, out / writer.REPORT_PNG)
+    picture = write_report_png(report, out / REPORT_PNG)
     if picture is not None:
         logger.info("report picture: %s", picture)
     writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
@@ -656,9 +675,9 @@ def versions() -> dict[str, Any]:
     import compressed_tensors
     import transformers
 
-    import sq
+    from sq.version import __version__
 
-    return {"sq": getattr(sq, "__version__", "dev"), "torch": torch.__version__,
+    return {"sq": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "compressed_tensors": compressed_tensors.__version__}
 
 

@@ -285,26 +285,32 @@ def local_stat(x: Tensor, spec: QuantSpec, stat: str, *, row_offset: int = 0, ro
     if stat not in cross_row_stats(spec):
         raise SqError(f"{stat!r} is not a cross-row statistic of {spec}")
     rows = x.shape[0] if rows is None else rows
-    xs = x.to(_stat_dtype(x.dtype))
+    dtype = _stat_dtype(x.dtype)
     if stat == "global_absmax" or isinstance(spec.granularity, PerTensor):
-        zero = torch.zeros(1, dtype=xs.dtype, device=x.device)
+        zero = torch.zeros(1, dtype=dtype, device=x.device)
         if x.numel() == 0:
             return zero
-        v = {"min": torch.amin, "max": torch.amax}.get(stat, lambda t: t.abs().amax())(xs).reshape(1)
+        v = _reduce(x.reshape(1, -1), stat).to(dtype)
         return torch.minimum(v, zero) if stat == "min" else torch.maximum(v, zero)
     # PerBlock: [rows_local, in] -> per-row block-column values [rows_local, n_bc] -> grid rows
     g = spec.granularity
     nbr, nbc = scale_shape(g, (rows, x.shape[1]))
-    grid = torch.zeros(nbr, nbc, dtype=xs.dtype, device=x.device)
+    grid = torch.zeros(nbr, nbc, dtype=dtype, device=x.device)
     if x.shape[0] == 0:
         return grid
-    xp = F.pad(xs, (0, nbc * g.cols - x.shape[1])).unflatten(-1, (nbc, g.cols))
-    if stat == "min":
-        vals, how = xp.amin(-1), "amin"
-    else:
-        vals, how = (xp.amax(-1) if stat == "max" else xp.abs().amax(-1)), "amax"
+    vals = _reduce(_grouped(x, g.cols), stat).to(dtype)
     idx = (torch.arange(x.shape[0], device=x.device) + row_offset) // g.rows
+    how = "amin" if stat == "min" else "amax"
     return grid.scatter_reduce_(0, idx[:, None].expand_as(vals), vals, how, include_self=True)
+
+
+def _reduce(t: Tensor, stat: str) -> Tensor:
+    # along the last dim, in t's dtype (exact: min and max round nothing)
+    if stat == "min":
+        return t.amin(-1)
+    if stat == "max":
+        return t.amax(-1)
+    return torch.maximum(t.amax(-1), -t.amin(-1))  # absmax without an |x| copy
 
 
 def _missing(stats: Mapping[str, Tensor], spec: QuantSpec) -> list[str]:

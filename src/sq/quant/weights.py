@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from sq.errors import SqError
 from sq.export import writer
-from sq.export.writer import CARRIED_NAME
+from sq.files import CARRIED_NAME
 from sq.load.loader import LoadPlan, fill, free
 from sq.load.meta import decoder_blocks, experts_modules
 from sq.resume import source_identity

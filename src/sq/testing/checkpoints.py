@@ -8,7 +8,8 @@ embedded corpus.  Keyword arguments override the config (sizes); ``vocab_size`` 
 the tokenizer's vocabulary.  Weights come from transformers' own init under
 ``torch.manual_seed(seed)``; constant tensors (norm weights all ones, zero biases, the
 DeepSeek router bias) are then perturbed, so a loader that puts a tensor in the wrong slot
-or leaves one at its default shows up as a value mismatch instead of passing by accident.
+or leaves one at its default shows up as a value mismatch instead of passing by accident.  The
+building itself (seeded init, perturbation, sharded save, tokenizer) is :mod:`sq.synthetic`'s.
 
 On-disk key layouts (transformers 5.24, ``save_pretrained``):
 
@@ -31,9 +32,7 @@ On-disk key layouts (transformers 5.24, ``save_pretrained``):
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -43,12 +42,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sq.calib.data import builtin_pydoc_text
-
-logger = logging.getLogger(__name__)
-
-INDEX_NAME = "model.safetensors.index.json"
-BOS, EOS = "<s>", "</s>"
+from sq.files import INDEX_NAME
+from sq.synthetic import build_checkpoint
 
 # Tiny shapes shared by the text models: fast on CPU, yet dimensions distinct enough that a
 # transposed or swapped tensor fails the shape check (hidden 64, intermediate 128, expert
@@ -65,114 +60,6 @@ _TEXT = dict(
 _MOE = dict(_TEXT, num_experts_per_tok=2, moe_intermediate_size=48)
 
 
-# ----------------------------------------------------------------------------- tokenizer
-
-
-@functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    """Train a byte-level BPE on the embedded corpus; cached so fixtures train once per size.
-
-    Returns the serialized ``tokenizer.json`` (an immutable string, so the cache hands out no
-    shared mutable object).
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([builtin_pydoc_text()], trainer=trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"tokenizer trained to {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    return tok.to_str()
-
-
-def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> Path:
-    """Save a ``PreTrainedTokenizerFast`` (tokenizer.json + tokenizer_config.json) to ``out_dir``.
-
-    Special tokens: ``<s>`` = id 0 (bos), ``</s>`` = id 1 (eos); byte-level, so no unknown token.
-    ``vocab_size`` counts special tokens and the 256 byte symbols, so it must be > 258.
-    """
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    out_dir = Path(out_dir)
-    tok = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
-    fast.save_pretrained(out_dir)
-    return out_dir
-
-
-# ----------------------------------------------------------------------------- common build
-
-
-def _perturb_constants(model: torch.nn.Module, seed: int) -> None:
-    """Add noise to every constant float tensor (norms = 1, biases = 0, router biases = 0).
-
-    Persistent buffers are included (they are checkpoint tensors too); a separate generator
-    keeps the init stream of transformers untouched.
-    """
-    gen = torch.Generator().manual_seed(seed + 1)
-    seen: set[int] = set()
-    with torch.no_grad():
-        for tensor in model.state_dict(keep_vars=True).values():
-            if id(tensor) in seen or not tensor.is_floating_point() or tensor.numel() == 0:
-                continue
-            seen.add(id(tensor))
-            first = tensor.reshape(-1)[0]
-            if not bool((tensor == first).all()):
-                continue
-            scale = 0.1 if float(first) != 0.0 else 0.02
-            noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32) * scale
-            tensor.add_(noise.to(tensor.dtype))
-
-
-def _state_bytes(model: torch.nn.Module) -> int:
-    seen: set[int] = set()
-    total = 0
-    for tensor in model.state_dict().values():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total
-
-
-def _build(
-    out_dir: Path,
-    model_type: str,
-    config: dict,
-    *,
-    seed: int,
-    dtype: torch.dtype,
-    shards: int,
-    image_text: bool = False,
-    save_original_format: bool = True,
-) -> tuple[Path, object]:
-    """Random model from a config -> sharded safetensors + tokenizer; returns (dir, config)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **config)
-    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
-    model = auto.from_config(cfg, dtype=dtype)
-    _perturb_constants(model, seed)
-    # transformers fills shards greedily up to max_shard_size, so total/shards gives
-    # about `shards` files (a single tensor bigger than the limit gets its own file).
-    max_shard = max(1, math.ceil(_state_bytes(model) / max(1, shards)))
-    model.save_pretrained(out_dir, max_shard_size=max_shard, save_original_format=save_original_format)
-    text_cfg = cfg.get_text_config()
-    build_tokenizer(out_dir, text_cfg.vocab_size)
-    logger.debug("built %s fixture in %s", model_type, out_dir)
-    return out_dir, cfg
-
-
 def _text_kwargs(overrides: dict, defaults: dict) -> dict:
     # bos/eos follow the fixture tokenizer (ids 0 and 1), so generation and the config agree.
     return dict(defaults, bos_token_id=0, eos_token_id=1, pad_token_id=None) | overrides
@@ -186,7 +73,7 @@ def build_llama(
 ) -> Path:
     """Dense Llama with tied embeddings (no ``lm_head.weight`` on disk); ``LlamaForCausalLM``."""
     kwargs = _text_kwargs(config, dict(_TEXT, num_hidden_layers=3, tie_word_embeddings=True))
-    return _build(out_dir, "llama", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
+    return build_checkpoint(out_dir, "llama", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
 
 
 def build_qwen3_moe(
@@ -195,7 +82,7 @@ def build_qwen3_moe(
     """Qwen3-MoE, every layer sparse, 8 experts top-2, saved in the per-expert Hub layout."""
     defaults = dict(_MOE, num_experts=8, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16)
     kwargs = _text_kwargs(config, defaults)
-    return _build(out_dir, "qwen3_moe", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
+    return build_checkpoint(out_dir, "qwen3_moe", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
 
 
 def build_qwen3_moe_fused(
@@ -207,7 +94,7 @@ def build_qwen3_moe_fused(
     """
     defaults = dict(_MOE, num_experts=8, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16)
     kwargs = _text_kwargs(config, defaults)
-    return _build(
+    return build_checkpoint(
         out_dir, "qwen3_moe", kwargs, seed=seed, dtype=dtype, shards=shards, save_original_format=False
     )[0]
 
@@ -221,7 +108,7 @@ def build_mixtral(
     layout itself; the check below fails loudly should a future version stop doing so.
     """
     kwargs = _text_kwargs(config, dict(_MOE, num_local_experts=4, intermediate_size=48))
-    path = _build(out_dir, "mixtral", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
+    path = build_checkpoint(out_dir, "mixtral", kwargs, seed=seed, dtype=dtype, shards=shards)[0]
     keys = read_index(path)
     if not any(re.search(r"\.block_sparse_moe\.experts\.\d+\.w1\.weight$", k) for k in keys):
         raise RuntimeError(f"{path}: save_pretrained no longer writes the Mixtral w1/w2/w3 layout")
@@ -256,7 +143,7 @@ def build_deepseek_v3(
         tie_word_embeddings=False,
     )
     kwargs = _text_kwargs(config, defaults)
-    path, cfg = _build(out_dir, "deepseek_v3", kwargs, seed=seed, dtype=dtype, shards=shards)
+    path, cfg = build_checkpoint(out_dir, "deepseek_v3", kwargs, seed=seed, dtype=dtype, shards=shards)
     _append_mtp_layer(path, cfg, dtype=dtype, seed=seed)
     return path
 
@@ -325,7 +212,7 @@ def build_vlm(
         vision_start_token_id=text["vocab_size"] - 3,
         vision_end_token_id=text["vocab_size"] - 4,
     )
-    return _build(out_dir, "qwen2_vl", top, seed=seed, dtype=dtype, shards=shards, image_text=True)[0]
+    return build_checkpoint(out_dir, "qwen2_vl", top, seed=seed, dtype=dtype, shards=shards, image_text=True)[0]
 
 
 FIXTURES: dict[str, Callable[..., Path]] = {
