@@ -84,7 +84,9 @@ def test_two_ranks_read_and_hold_about_half(bigger_moe):
     if io_read_bytes() == 0 and not os.path.exists("/proc/self/io"):
         pytest.skip("this kernel has no /proc/self/io accounting")
     _evict(bigger_moe)
-    results = run_ranks(_measure_load, 2, str(bigger_moe), timeout=180)
+    # fresh interpreters, as torchrun's ranks are: what the test server preloads for speed
+    # (transformers' modeling modules) must not shift the baseline this measures against
+    results = run_ranks(_measure_load, 2, str(bigger_moe), timeout=180, start="spawn")
     total_read = sum(r["read"] for r in results)
     for rank, r in enumerate(results):
         # each rank reads its own half (plus readahead), never the whole checkpoint

@@ -38,9 +38,12 @@ def test_bf16_matmuls_of_many_shapes_do_not_grow_private_memory():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN: no CPU kernel cache to bound")
     default, bounded = _growth_mib("default"), _growth_mib("bounded")
-    # measured (torch 2.13 CPU, avx512_bf16, 32 entries): default 212 MiB for 300 shapes, bounded 31 MiB
-    assert default > 100, f"the probe went blind: default caches grew only {default:.0f} MiB"
     assert bounded < 45, f"bounded caches still grew {bounded:.0f} MiB (default: {default:.0f} MiB)"
+    # measured (torch 2.13 CPU, avx512_bf16, 32 entries): default 212 MiB for 300 shapes, bounded 31 MiB.
+    # On an AVX2-only CPU bf16 matmuls take a path without per-shape oneDNN primitives (measured:
+    # default ~1 MiB), so there the probe has nothing to see.
+    if "AVX512" in torch.backends.cpu.get_cpu_capability():
+        assert default > 100, f"the probe went blind: default caches grew only {default:.0f} MiB"
 
 
 def test_user_settings_win_and_zero_is_never_set():

@@ -78,7 +78,8 @@ def test_from_dict_rejects_unknown_fields():
         dict(name="x", num_bits=8, type="float", symmetric=False, strategy="channel", group_size=None),
         dict(name="x", num_bits=4, type="nf4"),
         dict(name="x", num_bits=4, strategy="tensor"),
-        dict(name="x", num_bits=4, activations="fp8_dynamic_token"),
+        # (int4 weights with fp8 dynamic activations are W4AFP8 now: int-quantized)
+        dict(name="x", num_bits=4, activations="mxfp4_dynamic"),
         dict(name="", num_bits=4),
     ],
 )

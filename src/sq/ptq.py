@@ -6,7 +6,7 @@ import argparse
 import os
 
 from sq.cli import ArgParser, positive_seconds, run_cli
-from sq.quant.schemes import SCHEME_NAMES
+from sq.quant.schemes import PRESET_NAMES
 
 DESCRIPTION = """\
 Quantize a Hugging Face safetensors checkpoint into a compressed-tensors checkpoint
@@ -29,8 +29,8 @@ def build_parser() -> ArgParser:
                         "safetensors only), or demo:smollm2 / demo:tiny-moe")
     p.add_argument("--output", required=True,
                    help="new or empty output folder, or the folder of an unfinished run to resume")
-    p.add_argument("--scheme", default="W4A16", type=str.upper, choices=SCHEME_NAMES, metavar="SCHEME",
-                   help=f"quantization scheme for every Linear: {', '.join(SCHEME_NAMES)}")
+    p.add_argument("--scheme", default="W4A16", type=str.upper, choices=PRESET_NAMES, metavar="SCHEME",
+                   help=f"quantization scheme for every Linear: {', '.join(PRESET_NAMES)}")
     p.add_argument("--algo", default="gptq", choices=algorithm_names(),
                    help="rtn: round to nearest (no data); gptq: Hessians from calibration data; signround: "
                         "tuned rounding and clipping per block (docs/signround.md)")

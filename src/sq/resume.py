@@ -114,6 +114,7 @@ def describe_diff(changed: list[str], limit: int = 8) -> str:
         groups.setdefault(name.split(".")[0], []).append(name)
     parts = []
     for top, names in groups.items():
+        names.sort(key=lambda n: n != f"{top}.name")  # a section's name says the most: first
         parts += names if len(names) <= 2 else [f"{names[0]} and {len(names) - 1} more {top}.* fields"]
     return ", ".join(parts[:limit] + ([f"... {len(parts) - limit} more"] if len(parts) > limit else []))
 

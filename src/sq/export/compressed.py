@@ -1,6 +1,7 @@
 """The compressed-tensors checkpoint form of quantized Linear weights.
 
-``compress_weight`` turns quantized data (ints or fp8, scales, zero points) into exactly the
+``compress_weight`` turns quantized data (ints, fp8 or fp4 values, scales, zero points, NVFP4's
+global scale, and the calibrated activation scales a scheme declares) into exactly the
 tensors compressed-tensors 0.20 writes for one Linear.  What those tensors are, and how they
 are packed (with the library's own helpers, so the bits match), is the scheme's format's
 declaration in ``sq.quant.formats`` (each registration's docstring has its table); this
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from sq.errors import SqError
-from sq.quant.formats import format_for
+from sq.quant.formats import activation_observers, format_for
 from sq.quant.primitives import QParams, scale_shape
 from sq.quant.schemes import QuantScheme, format_name, to_compressed_tensors
 
@@ -36,12 +37,46 @@ __all__ = [
 ]
 
 
-def _unpack_result(result) -> tuple[Tensor, Tensor, Tensor | None]:
+def _unpack_result(result) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     if isinstance(result, (tuple, list)):
+        if len(result) == 2 and isinstance(result[1], QParams):
+            qp = result[1]
+            return result[0], qp.scale, qp.zero_point, qp.global_scale
         if len(result) != 3:
-            raise TypeError("expected (q, scale, zero_point)")
-        return result[0], result[1], result[2]
-    return result.q, result.scale, result.zero_point
+            raise TypeError("expected (q, scale, zero_point) or (q, QParams)")
+        return result[0], result[1], result[2], None
+    return result.q, result.scale, result.zero_point, getattr(result, "global_scale", None)
+
+
+def _check_global_scale(gs: Tensor | None, needed: bool, scheme: QuantScheme) -> None:
+    if not needed:
+        if gs is not None:
+            raise SqError(f"scheme {scheme.name} has no global scale, but one was given")
+        return
+    if gs is None:
+        raise SqError(f"scheme {scheme.name} needs its weight_global_scale (rtn.qparams(...).global_scale, "
+                      "from the all-reduced global_absmax)")
+    if gs.dtype != torch.float32 or gs.numel() != 1:
+        raise SqError(f"weight_global_scale must be one float32 value, got {gs.dtype} {tuple(gs.shape)}")
+
+
+def _activation_tensors(scheme: QuantScheme, given: Mapping[str, Tensor] | None, dtype: torch.dtype) -> dict:
+    declared = {t.name: t for t in (o.tensor(dtype) for o in activation_observers(scheme))}
+    given = dict(given or {})
+    if set(given) != set(declared):
+        missing, extra = sorted(set(declared) - set(given)), sorted(set(given) - set(declared))
+        raise SqError(
+            f"scheme {scheme.name} writes the calibrated activation tensors {sorted(declared) or 'none'}: "
+            + (f"missing {missing}" if missing else "") + (" " if missing and extra else "")
+            + (f"not declared {extra}" if extra else "")
+        )
+    for name, t in given.items():
+        spec = declared[name]
+        if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+            raise SqError(f"{name} must be {spec.dtype} {spec.shape}, got {t.dtype} {tuple(t.shape)}")
+        if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            raise SqError(f"{name} must be finite and positive, got {t.tolist()}")
+    return {k: v.contiguous() for k, v in given.items()}
 
 
 def compressed_names(scheme: QuantScheme) -> tuple[str, ...]:
@@ -58,14 +93,25 @@ def row_alignment(scheme: QuantScheme) -> int:
     return format_for(scheme).row_alignment(scheme)
 
 
-def compress_weight(result, scheme: QuantScheme, shape: Sequence[int] | None = None) -> dict[str, Tensor]:
-    """Checkpoint tensors for one Linear from ``result`` = a ``GPTQResult`` or ``(q, scale, zp)``.
+def compress_weight(result, scheme: QuantScheme, shape: Sequence[int] | None = None, *,
+                    global_scale: Tensor | None = None,
+                    activation_scales: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """Checkpoint tensors for one Linear from ``result`` = a ``GPTQResult``, ``(q, scale, zp)``
+    or ``(q, QParams)``.
 
-    ``q`` holds the whole weight ``[out, in]`` (int8 values in the scheme's range, or
-    float8_e4m3fn); ``shape``, if given, must equal it.
+    ``q`` holds the whole weight ``[out, in]`` (int8 values in the scheme's range,
+    float8_e4m3fn, or bf16 holding fp4 e2m1 values); ``shape``, if given, must equal it.
+    ``global_scale``: NVFP4's float32 ``[1]`` (``QParams.global_scale``; taken from a ``QParams``
+    or a result's ``global_scale`` when not given).  ``activation_scales``: the calibrated
+    tensors the scheme declares (``formats.activation_observers``: FP8's ``input_scale``,
+    NVFP4's ``input_global_scale``), by name; required exactly when declared.
     """
     fmt = format_for(scheme)
-    q, scale, zp = _unpack_result(result)
+    q, scale, zp, gs = _unpack_result(result)
+    if global_scale is not None:
+        if gs is not None and not torch.equal(gs, global_scale):
+            raise SqError("compress_weight: a global scale was given twice")
+        gs = global_scale
     if q.ndim != 2:
         raise SqError(f"quantized weight must be 2-D [out, in], got shape {tuple(q.shape)}")
     out_f, in_f = q.shape
@@ -73,9 +119,11 @@ def compress_weight(result, scheme: QuantScheme, shape: Sequence[int] | None = N
         raise SqError(f"quantized weight shape {(out_f, in_f)} != expected {tuple(shape)}")
     if q.dtype != scheme.storage_dtype:
         raise SqError(f"scheme {scheme.name} stores {scheme.storage_dtype} values, got {q.dtype}")
-    if scheme.strategy == "group" and in_f % scheme.group_size:
+    if scheme.group_size is not None and in_f % scheme.group_size:
         raise SqError(f"group size {scheme.group_size} does not divide in_features {in_f}")
-    s_shape = scale_shape(fmt.spec(scheme).granularity, (out_f, in_f))
+    spec = fmt.spec(scheme)
+    _check_global_scale(gs, spec.global_scale, scheme)
+    s_shape = scale_shape(spec.granularity, (out_f, in_f))
     if tuple(scale.shape) != s_shape:
         raise SqError(f"weight_scale shape {tuple(scale.shape)} != {s_shape} for {scheme.name}")
     if scheme.symmetric != (zp is None):
@@ -85,7 +133,8 @@ def compress_weight(result, scheme: QuantScheme, shape: Sequence[int] | None = N
         )
     if zp is not None and (tuple(zp.shape) != s_shape or zp.dtype != torch.int8):
         raise SqError(f"weight_zero_point must be int8 {s_shape}, got {zp.dtype} {tuple(zp.shape)}")
-    return fmt.compress(q, QParams(scale, zp), scheme)
+    acts = _activation_tensors(scheme, activation_scales, scale.dtype)
+    return fmt.compress(q, QParams(scale, zp, gs), scheme) | acts
 
 
 def decompress_weight(tensors: Mapping[str, Tensor], scheme: QuantScheme) -> Tensor:

@@ -14,7 +14,10 @@ A :class:`Format` is keyed by compressed-tensors' format name (``config.json``'s
   before any rank quantizes (none for per-channel / per-group scales; the absmax over all rows
   for a per-tensor scale or NVFP4's global scale);
 - :meth:`~Format.row_alignment`: rows a shard boundary must be a multiple of for a shard's
-  *packed* tensors to be rows of the whole ones.
+  *packed* tensors to be rows of the whole ones;
+- :func:`activation_observers`: the static activation scales the scheme writes (FP8's
+  ``input_scale``, NVFP4's ``input_global_scale``), which need calibration: every rank's
+  tokens observed, the statistic all-reduced, the tensor computed as the library does.
 
 The row-independence contract.  sq quantizes a weight on the ranks that hold its rows, each
 rank its own rows, before any gather.  That is exact only if every scale depends on the rows
@@ -23,7 +26,8 @@ primitives know which statistics a spec's scales read across rows
 (:func:`~sq.quant.primitives.cross_row_stats`); a format declares which it reduces; and
 :func:`check_row_shardable` -- which the driver calls before quantizing with a scheme -- refuses
 a scheme whose format leaves one undeclared.  :func:`required_reductions` is then the list the
-driver all-reduces (empty for every scheme registered today).
+driver all-reduces: none for per-channel / per-group schemes; the per-tensor absmax (``FP8``),
+the 128 x 128 block grid's absmax (``FP8_BLOCK``) or the global absmax (``NVFP4*``) otherwise.
 
 A scheme is resolved to exactly one format (:func:`format_for`): ``QuantScheme`` refuses, at
 construction, a scheme that no registered format accepts.
@@ -58,6 +62,9 @@ __all__ = [
     "check_row_shardable",
     "required_reductions",
     "row_independent",
+    "ActivationObserver",
+    "activation_observers",
+    "SCALE_DTYPES",
 ]
 
 
@@ -71,13 +78,42 @@ class SchemeFields(Protocol):
     strategy: str
     group_size: int | None
     activations: str
+    block_structure: tuple[int, int] | None
+    scale_dtype: str | None
 
 
-# compressed-tensors' input activation args per ``QuantScheme.activations``
+# compressed-tensors' input activation args per ``QuantScheme.activations`` (exactly the fields
+# the library's presets set, so the serialized config equals theirs; tests/test_presets.py)
+_FP8 = dict(num_bits=8, type="float", symmetric=True)
+_MX = dict(type="float", symmetric=True, strategy="group", group_size=32, dynamic=True,
+           scale_dtype=torch.uint8, zp_dtype=torch.uint8)
 ACTIVATIONS: dict[str, dict | None] = {
     "none": None,
-    "fp8_dynamic_token": dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
+    # FP8_DYNAMIC, W4AFP8
+    "fp8_dynamic_token": dict(_FP8, strategy="token", dynamic=True),
+    # FP8_BLOCK: per-token groups of 128, scaled at run time
+    "fp8_dynamic_group128": dict(_FP8, strategy="group", group_size=128, dynamic=True),
+    # FP8: one static input scale per Linear (calibrated: ``input_scale``)
+    "fp8_static_tensor": dict(_FP8, strategy="tensor", dynamic=False, observer="static_minmax"),
+    # W8A8, W4A8
+    "int8_dynamic_token": dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
+    # NVFP4: fp4 groups of 16 scaled at run time under a static global scale (calibrated:
+    # ``input_global_scale``)
+    "nvfp4_static_global": dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+                                dynamic="local", observer="static_minmax", scale_dtype=torch.float8_e4m3fn,
+                                zp_dtype=torch.float8_e4m3fn),
+    # MXFP4 / MXFP8: e8m0-scaled groups of 32, at run time
+    "mxfp4_dynamic": dict(_MX, num_bits=4),
+    "mxfp8_dynamic": dict(_MX, num_bits=8),
 }
+
+SCALE_DTYPES: dict[str | None, torch.dtype | str | None] = {
+    None: None,  # the weight's own dtype
+    "float8_e4m3fn": torch.float8_e4m3fn,  # NVFP4's per-group scales
+    "e8m0": P.E8M0,  # MX: powers of two, stored as uint8 biased exponents
+}
+# the library's QuantizationArgs.scale_dtype (and zp_dtype) for each
+_CT_SCALE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "e8m0": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -121,6 +157,23 @@ class Reduction:
         return stacked.amax(0) if self.op == "max" else stacked.amin(0)
 
 
+def _declare_all(spec: P.QuantSpec) -> tuple[Reduction, ...]:
+    """A reduction for every statistic ``spec``'s scales read across rows."""
+    return tuple(Reduction(stat, spec) for stat in P.cross_row_stats(spec))
+
+
+def _qtype(scheme: SchemeFields) -> P.QType:
+    if scheme.type == "int":
+        return P.int_type(scheme.num_bits, scheme.symmetric)
+    return P.FP8_E4M3 if scheme.num_bits == 8 else P.FP4_E2M1
+
+
+def _spec(scheme: SchemeFields) -> P.QuantSpec:
+    """The maths a scheme's fields name: block shape, element type, scale type, global scale."""
+    return P.QuantSpec(granularity_of(scheme), _qtype(scheme), SCALE_DTYPES[scheme.scale_dtype],
+                       global_scale=scheme.strategy == "tensor_group")
+
+
 def granularity_of(scheme: SchemeFields) -> P.Granularity:
     """The block shape a scheme's ``strategy`` names."""
     if scheme.strategy == "group":
@@ -129,6 +182,10 @@ def granularity_of(scheme: SchemeFields) -> P.Granularity:
         return P.PerChannel()
     if scheme.strategy == "tensor":
         return P.PerTensor()
+    if scheme.strategy == "tensor_group":  # per-group scales under one global scale
+        return P.PerGroup(scheme.group_size)
+    if scheme.strategy == "block":
+        return P.PerBlock(*scheme.block_structure)
     raise ValueError(f"scheme {scheme.name}: no block shape for strategy {scheme.strategy!r}")
 
 
@@ -173,6 +230,11 @@ class Format:
         serialized config equals the library's own)."""
         from compressed_tensors.quantization import QuantizationArgs
 
+        extra = {}
+        if scheme.block_structure is not None:
+            extra["block_structure"] = list(scheme.block_structure)
+        if scheme.scale_dtype is not None:
+            extra["scale_dtype"] = extra["zp_dtype"] = _CT_SCALE_DTYPES[scheme.scale_dtype]
         return QuantizationArgs(
             num_bits=scheme.num_bits,
             type=scheme.type,
@@ -180,6 +242,7 @@ class Format:
             strategy=scheme.strategy,
             group_size=scheme.group_size,
             dynamic=False,
+            **extra,
         )
 
     def ct_scheme(self, scheme: SchemeFields, targets: Sequence[str]):
@@ -256,6 +319,69 @@ def _registry_changed() -> None:
     spec_for.cache_clear()
 
 
+# ------------------------------------------------------------------ calibrated activations
+
+
+@dataclass(frozen=True)
+class ActivationObserver:
+    """A static activation tensor a scheme writes for each Linear, from calibration.
+
+    ``name``: the checkpoint tensor (``input_scale``: FP8's per-tensor fp8 scale, in the
+    activation dtype; ``input_global_scale``: NVFP4's float32 global scale).  Its one statistic
+    is the absmax of every input the Linear sees (0 included, so 0 is the identity): each forward
+    contributes :meth:`local`, a rank keeps the running max, the ranks all-reduce with
+    ``reduce_op`` (MAX) -- routed experts each their own --, and :meth:`finalize` turns the result
+    into the tensor exactly as the library does from its ``static_minmax`` observer's running
+    min / max (``calculate_qparams`` / ``generate_gparam``).  An absmax of 0 (an expert no token
+    reached) still gives a finite, valid tensor: the fp8 scale becomes the dtype's eps, the
+    global scale 1 (the library's own fallbacks).
+    """
+
+    name: str
+    kind: str  # "scale" (fp8 per-tensor) | "global_scale" (NVFP4)
+    stat: ClassVar[str] = "absmax"
+    op: ClassVar[str] = "max"
+
+    @property
+    def reduce_op(self) -> dist.ReduceOp:
+        return dist.ReduceOp.MAX
+
+    @staticmethod
+    def local(x: Tensor) -> Tensor:
+        """One batch's contribution: ``max(|x|)`` (0 for an empty batch), float32 ``[1]`` (exact for
+        bf16 / fp16 inputs; float64 inputs stay float64)."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        zero = torch.zeros(1, dtype=dtype, device=x.device)
+        if x.numel() == 0:
+            return zero
+        return torch.maximum(torch.maximum(x.amax(), -x.amin()).to(dtype).reshape(1), zero)
+
+    def finalize(self, absmax: Tensor, dtype: torch.dtype) -> Tensor:
+        """The checkpoint tensor from the all-reduced ``absmax``; ``dtype``: the observed
+        activations' dtype (the library computes in it; the model's dtype)."""
+        a = absmax.reshape(1).to(dtype)
+        if self.kind == "global_scale":
+            return P.global_scale(a, P.FP4_E2M1, torch.float8_e4m3fn)
+        spec = P.QuantSpec(P.PerTensor(), P.FP8_E4M3)
+        return P.choose_qparams(torch.zeros(0, 1, dtype=dtype, device=a.device), spec, stats={"absmax": a}).scale
+
+    def tensor(self, dtype: torch.dtype) -> TensorSpec:
+        """The checkpoint tensor's declaration for a model in ``dtype``."""
+        return TensorSpec(self.name, torch.float32 if self.kind == "global_scale" else dtype, (1,))
+
+
+_OBSERVERS: dict[str, tuple[ActivationObserver, ...]] = {
+    "fp8_static_tensor": (ActivationObserver("input_scale", "scale"),),
+    "nvfp4_static_global": (ActivationObserver("input_global_scale", "global_scale"),),
+}
+
+
+def activation_observers(scheme: SchemeFields) -> tuple[ActivationObserver, ...]:
+    """The calibrated activation tensors ``scheme`` writes per Linear (empty: nothing to
+    observe; dynamic activation schemes are scaled at run time by the serving engine)."""
+    return _OBSERVERS.get(scheme.activations, ())
+
+
 # ------------------------------------------------------------------ row independence
 
 
@@ -319,7 +445,9 @@ class PackQuantized(Format):
         if scheme.strategy not in ("group", "channel"):
             return f"writes per-group or per-channel scales, not {scheme.strategy}"
         if scheme.activations != "none":
-            return "writes weight-only int schemes (dynamic fp8 activations need fp8 weights)"
+            return "writes weight-only int schemes (int weights with quantized activations: int-quantized)"
+        if scheme.scale_dtype is not None:
+            return f"writes scales in the weight's dtype, not {scheme.scale_dtype}"
         return None
 
     def spec(self, scheme):
@@ -372,10 +500,28 @@ class PackQuantized(Format):
         return P.dequantize(q, P.QParams(scale, zp), self.spec(scheme))
 
 
+_FP8_ACTIVATIONS = ("none", "fp8_dynamic_token", "fp8_dynamic_group128", "fp8_static_tensor")
+
+
+def _observed(scheme: SchemeFields, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
+    return tuple(o.tensor(dtype) for o in activation_observers(scheme))
+
+
 @register_format
 class FloatQuantized(Format):
-    """float8 e4m3 values as they are (``weight``), scales in the weight dtype (``weight_scale``
-    ``[out, 1]`` per channel, ``[out, in / group]`` per group)."""
+    """float8 e4m3 values as they are (``weight``), scales in the weight dtype.
+
+    ==================  ===============================================================
+    weight              [out, in] float8_e4m3fn
+    weight_scale        [out, 1] (channel), [out, in / group] (group), [1] (tensor: FP8),
+                        [ceil(out / 128), ceil(in / 128)] (block: FP8_BLOCK; edge blocks
+                        partial, as the library pads them with zeros)
+    input_scale         [1] (FP8 only: static activations, calibrated)
+    ==================  ===============================================================
+
+    A per-tensor scale reads the absmax of every row, a 128 x 128 block's scale that of 128
+    rows: both declared as reductions (all-reduced before any rank quantizes).
+    """
 
     name = "float-quantized"
 
@@ -386,16 +532,76 @@ class FloatQuantized(Format):
             return f"writes float8 e4m3 weights only, not {scheme.num_bits} bits"
         if not scheme.symmetric:
             return "writes symmetric float weights only"
-        if scheme.strategy not in ("group", "channel"):
-            return f"writes per-group or per-channel scales, not {scheme.strategy}"
+        if scheme.strategy not in ("group", "channel", "tensor", "block"):
+            return f"writes per-group, per-channel, per-tensor or block scales, not {scheme.strategy}"
+        if scheme.scale_dtype is not None:
+            return f"writes scales in the weight's dtype, not {scheme.scale_dtype} (e8m0: mxfp8-quantized)"
+        if scheme.activations not in _FP8_ACTIVATIONS:
+            return f"writes fp8 weights with fp8 activations (or none), not {scheme.activations}"
         return None
 
     def spec(self, scheme):
-        return P.QuantSpec(granularity_of(scheme), P.FP8_E4M3)
+        return _spec(scheme)
+
+    def reductions(self, scheme):
+        return _declare_all(self.spec(scheme))
 
     def tensors(self, scheme, shape, dtype):
         return (
             TensorSpec("weight", torch.float8_e4m3fn, tuple(shape)),
+            TensorSpec("weight_scale", dtype, P.scale_shape(granularity_of(scheme), shape)),
+        ) + _observed(scheme, dtype)
+
+    def compress(self, q, qp, scheme):
+        return {"weight": q.contiguous(), "weight_scale": qp.scale.contiguous()}
+
+    def decompress(self, tensors, scheme):
+        return P.dequantize(tensors["weight"], P.QParams(tensors["weight_scale"]), self.spec(scheme))
+
+
+def _library_decompress(fmt: Format, tensors: Mapping[str, Tensor], scheme: SchemeFields) -> Tensor:
+    """The library compressor's own ``decompress`` of one Linear's tensors (its dense weight)."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry(fmt.name)
+    return compressor.decompress(dict(tensors), fmt.ct_scheme(scheme, ["Linear"]))["weight"]
+
+
+@register_format
+class IntQuantized(Format):
+    """Int weights with quantized activations (``W8A8``, ``W4A8``, ``W4AFP8``): the values
+    unpacked, one int8 each -- the library's ``int-quantized`` compressor, which it picks for any
+    int weights with input activations, 4-bit ones included.
+
+    ==================  =======================================  ============
+    weight              [out, in]                                int8
+    weight_scale        [out, 1] (channel) / [out, in / group]   weight dtype
+    ==================  =======================================  ============
+    """
+
+    name = "int-quantized"
+
+    def accepts(self, scheme):
+        if scheme.type != "int":
+            return f"writes int weights, not {scheme.type}"
+        if not 2 <= scheme.num_bits <= 8:
+            return f"writes 2..8-bit ints, not {scheme.num_bits}"
+        if not scheme.symmetric:
+            return "writes symmetric int weights only"
+        if scheme.strategy not in ("group", "channel"):
+            return f"writes per-group or per-channel scales, not {scheme.strategy}"
+        if scheme.activations not in ("int8_dynamic_token", "fp8_dynamic_token"):
+            return "writes int weights with dynamic per-token int8 or fp8 activations (weight-only: pack-quantized)"
+        if scheme.scale_dtype is not None:
+            return f"writes scales in the weight's dtype, not {scheme.scale_dtype}"
+        return None
+
+    def spec(self, scheme):
+        return _spec(scheme)
+
+    def tensors(self, scheme, shape, dtype):
+        return (
+            TensorSpec("weight", torch.int8, tuple(shape)),
             TensorSpec("weight_scale", dtype, P.scale_shape(granularity_of(scheme), shape)),
         )
 
@@ -404,3 +610,143 @@ class FloatQuantized(Format):
 
     def decompress(self, tensors, scheme):
         return P.dequantize(tensors["weight"], P.QParams(tensors["weight_scale"]), self.spec(scheme))
+
+
+class _FP4Packed(Format):
+    """fp4 e2m1 values two to a byte (the library's ``pack_fp4_to_uint8``)."""
+
+    group_size: ClassVar[int] = 0
+    strategy: ClassVar[str] = ""
+    scale_dtype: ClassVar[str] = ""
+    activations: ClassVar[tuple[str, ...]] = ()
+
+    def accepts(self, scheme):
+        if (scheme.type, scheme.num_bits) != ("float", 4):
+            return f"packs fp4 e2m1 weights, not {scheme.type}{scheme.num_bits}"
+        if not scheme.symmetric:
+            return "packs symmetric fp4 weights only"
+        if (scheme.strategy, scheme.group_size, scheme.scale_dtype) != (self.strategy, self.group_size,
+                                                                        self.scale_dtype):
+            return (f"writes strategy {self.strategy!r} groups of {self.group_size} with {self.scale_dtype} "
+                    "scales")
+        if scheme.activations not in self.activations:
+            return f"writes activations {' or '.join(self.activations)}, not {scheme.activations}"
+        return None
+
+    def spec(self, scheme):
+        return _spec(scheme)
+
+    def reductions(self, scheme):
+        return _declare_all(self.spec(scheme))
+
+    def _packed(self, q):
+        from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+
+        return pack_fp4_to_uint8(q.contiguous())
+
+    def decompress(self, tensors, scheme):
+        return _library_decompress(self, tensors, scheme)
+
+
+@register_format
+class NVFP4PackQuantized(_FP4Packed):
+    """NVFP4 (``NVFP4A16``, ``NVFP4``): fp4 groups of 16 with fp8 scales under one float32
+    global scale per weight.
+
+    ====================  ====================  =============
+    weight_packed         [out, in / 2]         uint8
+    weight_scale          [out, in / 16]        float8_e4m3fn
+    weight_global_scale   [1]                   float32
+    input_global_scale    [1]                   float32 (``NVFP4`` only: calibrated)
+    ====================  ====================  =============
+
+    The global scale reads the absmax of every row (declared: ``global_absmax``); vLLM fuses
+    q/k/v and gate/up and needs them to share it (reduce it over the partners too).
+    """
+
+    name = "nvfp4-pack-quantized"
+    group_size, strategy, scale_dtype = 16, "tensor_group", "float8_e4m3fn"
+    activations = ("none", "nvfp4_static_global")
+
+    def tensors(self, scheme, shape, dtype):
+        out_f, in_f = shape
+        return (
+            TensorSpec("weight_packed", torch.uint8, (out_f, in_f // 2)),
+            TensorSpec("weight_scale", torch.float8_e4m3fn, P.scale_shape(granularity_of(scheme), shape)),
+            TensorSpec("weight_global_scale", torch.float32, (1,)),
+        ) + _observed(scheme, dtype)
+
+    def compress(self, q, qp, scheme):
+        return {
+            "weight_packed": self._packed(q),
+            "weight_scale": qp.scale.to(torch.float8_e4m3fn).contiguous(),  # the library's _compress_scale
+            "weight_global_scale": qp.global_scale.reshape(1).to(torch.float32),
+        }
+
+
+@register_format
+class MXFP4PackQuantized(_FP4Packed):
+    """MXFP4 (``MXFP4A16``, ``MXFP4``): fp4 groups of 32 with power-of-two scales.
+
+    ==============  ==============  =====
+    weight_packed   [out, in / 2]   uint8
+    weight_scale    [out, in / 32]  uint8 (e8m0: biased exponent, ``2 ** (e - 127)``)
+    ==============  ==============  =====
+    """
+
+    name = "mxfp4-pack-quantized"
+    group_size, strategy, scale_dtype = 32, "group", "e8m0"
+    activations = ("none", "mxfp4_dynamic")
+
+    def tensors(self, scheme, shape, dtype):
+        out_f, in_f = shape
+        return (
+            TensorSpec("weight_packed", torch.uint8, (out_f, in_f // 2)),
+            TensorSpec("weight_scale", torch.uint8, P.scale_shape(granularity_of(scheme), shape)),
+        )
+
+    def compress(self, q, qp, scheme):
+        from compressed_tensors.compressors.mx_utils import compress_mx_scale
+
+        return {"weight_packed": self._packed(q), "weight_scale": compress_mx_scale(qp.scale, torch.uint8)}
+
+
+@register_format
+class MXFP8Quantized(Format):
+    """MXFP8 (``MXFP8A16``, ``MXFP8``): fp8 e4m3 values in groups of 32 with power-of-two scales.
+
+    ============  ==============  =============
+    weight        [out, in]       float8_e4m3fn
+    weight_scale  [out, in / 32]  uint8 (e8m0)
+    ============  ==============  =============
+    """
+
+    name = "mxfp8-quantized"
+
+    def accepts(self, scheme):
+        if (scheme.type, scheme.num_bits) != ("float", 8):
+            return f"writes fp8 weights, not {scheme.type}{scheme.num_bits}"
+        if not scheme.symmetric:
+            return "writes symmetric fp8 weights only"
+        if (scheme.strategy, scheme.group_size, scheme.scale_dtype) != ("group", 32, "e8m0"):
+            return "writes groups of 32 with e8m0 scales"
+        if scheme.activations not in ("none", "mxfp8_dynamic"):
+            return f"writes activations none or mxfp8_dynamic, not {scheme.activations}"
+        return None
+
+    def spec(self, scheme):
+        return _spec(scheme)
+
+    def tensors(self, scheme, shape, dtype):
+        return (
+            TensorSpec("weight", torch.float8_e4m3fn, tuple(shape)),
+            TensorSpec("weight_scale", torch.uint8, P.scale_shape(granularity_of(scheme), shape)),
+        )
+
+    def compress(self, q, qp, scheme):
+        from compressed_tensors.compressors.mx_utils import compress_mx_scale
+
+        return {"weight": q.contiguous(), "weight_scale": compress_mx_scale(qp.scale, torch.uint8)}
+
+    def decompress(self, tensors, scheme):
+        return _library_decompress(self, tensors, scheme)

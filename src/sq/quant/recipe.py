@@ -83,9 +83,15 @@ def scheme_tag(s: QuantScheme | None) -> str:
     """A short, complete description of a scheme, e.g. ``int4-sym-group64`` (``none`` if unquantized)."""
     if s is None:
         return "none"
-    gran = f"group{s.group_size}" if s.strategy == "group" else s.strategy
+    if s.strategy in ("group", "tensor_group"):
+        gran = f"{s.strategy}{s.group_size}"
+    elif s.strategy == "block":
+        gran = "block{}x{}".format(*s.block_structure)
+    else:
+        gran = s.strategy
+    scale = "" if s.scale_dtype is None else f"-s:{s.scale_dtype}"
     act = "" if s.activations == "none" else f"-a:{s.activations}"
-    return f"{s.type}{s.num_bits}-{'sym' if s.symmetric else 'asym'}-{gran}{act}"
+    return f"{s.type}{s.num_bits}-{'sym' if s.symmetric else 'asym'}-{gran}{scale}{act}"
 
 
 def make_assigner(scheme: str, group_size: int, ignore=(), recipe: str | Path | None = None) -> Assigner:

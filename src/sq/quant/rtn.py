@@ -2,13 +2,23 @@
 ``QuantSpec`` (``sq.quant.formats.spec_for``), and ``sq.quant.primitives`` computes it.
 
 The numbers are compressed-tensors' own, bit for bit, on every device (see
-``sq.quant.primitives``).  For every scheme registered today the scales depend only on the
-rows being quantized, so quantizing rows ``[a, b)`` alone gives exactly those rows of the
-whole; a scheme whose scales read statistics across rows takes them, all-reduced, as
-``stats`` (``sq.quant.formats.required_reductions``).
+``sq.quant.primitives``).  Per-channel and per-group scales depend only on the rows being
+quantized, so quantizing rows ``[a, b)`` alone gives exactly those rows of the whole.  A scheme
+whose scales read statistics across rows (``FP8``'s per-tensor scale, ``FP8_BLOCK``'s 128-row
+blocks, ``NVFP4``'s global scale) takes them, all-reduced, as ``stats``; one rank's part::
+
+    reductions = formats.required_reductions(scheme)              # [] for row-independent schemes
+    parts = local_stats(w_rows, scheme, row_offset=a, rows=R)     # {stat: tensor}
+    for r in reductions: dist.all_reduce(parts[r.stat], op=r.reduce_op)   # over the weight's ranks
+    qp = qparams(w_rows, scheme, stats=parts or None)             # QParams(scale, zero_point, global_scale)
+    q = quantize(w_rows, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=a)
+
+Then ``qp.scale`` has this rank's rows (``scales_follow_rows``) or is the whole scale,
+identical on every rank (per-tensor, block); ``qp.global_scale`` is the whole weight's.
 
 Shapes: ``w [rows, in]``; ``scale`` / ``zero_point`` ``[rows, n_groups]`` (group) or
-``[rows, 1]`` (channel); ``zero_point`` is ``None`` for symmetric schemes.
+``[rows, 1]`` (channel), ``[1]`` (tensor), the block grid (block); ``zero_point`` is ``None``
+for symmetric schemes.
 """
 
 from __future__ import annotations
@@ -18,11 +28,36 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from sq.errors import SqError
 from sq.quant import primitives
-from sq.quant.formats import spec_for
+from sq.quant.formats import required_reductions, spec_for
 from sq.quant.schemes import QuantScheme
 
+
+def local_stats(w: Tensor, scheme: QuantScheme, *, row_offset: int = 0, rows: int | None = None) -> dict[str, Tensor]:
+    """This rank's contribution to each statistic the scheme's format declares as a reduction:
+    ``w`` holds rows ``[row_offset, row_offset + len(w))`` of a weight with ``rows`` rows
+    (default: ``w`` is the whole weight).  Empty for row-independent schemes.  All-reduce each
+    with its ``Reduction.reduce_op`` before :func:`qparams`; partners vLLM fuses (q/k/v,
+    gate/up) reduce ``global_absmax`` over one another too, so they share one global scale."""
+    return {r.stat: r.local(w, row_offset=row_offset, rows=rows) for r in required_reductions(scheme)}
+
+
+def combine_stats(parts: list[Mapping[str, Tensor]], scheme: QuantScheme) -> dict[str, Tensor]:
+    """What the all-reduce of :func:`local_stats` computes, in one process (tests, one rank, or
+    fused partners' statistics combined)."""
+    return {r.stat: r.combine([p[r.stat] for p in parts]) for r in required_reductions(scheme)}
+
+
+def scales_follow_rows(scheme: QuantScheme) -> bool:
+    """True if a shard's scales are its rows of the whole (gather them with the rows); False if
+    every rank computes the whole scale (per-tensor, 2-D blocks): the writer takes its own."""
+    return primitives.scales_follow_rows(spec_for(scheme))
+
 __all__ = [
+    "local_stats",
+    "combine_stats",
+    "scales_follow_rows",
     "qparams",
     "compute_qparams",
     "quantize",
@@ -42,28 +77,40 @@ def qparams(w: Tensor, scheme: QuantScheme, *, stats: Mapping[str, Tensor] | Non
 def compute_qparams(
     w: Tensor, scheme: QuantScheme, *, stats: Mapping[str, Tensor] | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """``(scale, zero_point)`` of ``w [rows, in]`` in ``w.dtype`` (zero point int8, or None)."""
+    """``(scale, zero_point)`` of ``w [rows, in]`` in ``w.dtype`` (zero point int8, or None).
+
+    Refused for a scheme with a global scale (NVFP4), which this pair would drop: use
+    :func:`qparams`."""
     qp = qparams(w, scheme, stats=stats)
+    if qp.global_scale is not None:
+        raise SqError(f"scheme {scheme.name} has a global scale: use rtn.qparams, which returns it")
     return qp.scale, qp.zero_point
 
 
-def quantize_values(x: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme) -> Tensor:
+def quantize_values(x: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme, *,
+                    global_scale: Tensor | None = None) -> Tensor:
     """Quantize with already-broadcastable ``scale`` / ``zero_point`` (no group reshaping).
 
     ``int8`` values in ``[qmin, qmax]`` for int schemes, ``float8_e4m3fn`` for fp8.
     The division runs in the promoted dtype of ``x`` and ``scale`` (the library's rule).
     """
-    return primitives.quantize_values(x, scale, zero_point, spec_for(scheme).qtype)
+    return primitives.quantize_values(x, scale, zero_point, spec_for(scheme).qtype, global_scale=global_scale)
 
 
-def dequantize_values(q: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
-    """``(q - zp) * scale`` in ``scale.dtype`` (what the library's decompression computes)."""
-    return primitives.dequantize_values(q, scale, zero_point)
+def dequantize_values(q: Tensor, scale: Tensor, zero_point: Tensor | None, *,
+                      global_scale: Tensor | None = None) -> Tensor:
+    """``(q - zp) * (scale / global_scale)`` in the scale's dtype (the library's decompression)."""
+    return primitives.dequantize_values(q, scale, zero_point, global_scale=global_scale)
 
 
-def quantize(w: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme) -> Tensor:
-    """Quantized values of ``w [rows, in]`` (``scheme.storage_dtype``, same shape)."""
-    return primitives.quantize(w, primitives.QParams(scale, zero_point), spec_for(scheme))
+def quantize(w: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: QuantScheme, *,
+             global_scale: Tensor | None = None, row_offset: int = 0) -> Tensor:
+    """Quantized values of ``w [rows, in]`` (``scheme.storage_dtype``, same shape).
+
+    ``global_scale``: NVFP4's (``QParams.global_scale``); ``row_offset``: the first row of ``w``
+    in the whole weight when ``scale`` is a whole block grid (``FP8_BLOCK``)."""
+    qp = primitives.QParams(scale, zero_point, global_scale)
+    return primitives.quantize(w, qp, spec_for(scheme), row_offset=row_offset)
 
 
 def dequantize(
@@ -72,11 +119,17 @@ def dequantize(
     zero_point: Tensor | None,
     scheme: QuantScheme,
     dtype: torch.dtype | None = None,
+    *,
+    global_scale: Tensor | None = None,
+    row_offset: int = 0,
 ) -> Tensor:
-    """The float weight ``[rows, in]`` a loader reconstructs, in ``scale.dtype`` by default."""
-    return primitives.dequantize(q, primitives.QParams(scale, zero_point), spec_for(scheme), dtype=dtype)
+    """The float weight ``[rows, in]`` a loader reconstructs, in ``scale.dtype`` by default
+    (float32 under a float32 global scale)."""
+    qp = primitives.QParams(scale, zero_point, global_scale)
+    return primitives.dequantize(q, qp, spec_for(scheme), row_offset=row_offset, dtype=dtype)
 
 
-def fake_quantize(w: Tensor, scheme: QuantScheme, *, stats: Mapping[str, Tensor] | None = None) -> Tensor:
+def fake_quantize(w: Tensor, scheme: QuantScheme, *, stats: Mapping[str, Tensor] | None = None,
+                  row_offset: int = 0) -> Tensor:
     """RTN quantize-dequantize of ``w``, in ``w.dtype``."""
-    return primitives.fake_quantize(w, spec_for(scheme), stats=stats)
+    return primitives.fake_quantize(w, spec_for(scheme), stats=stats, row_offset=row_offset)

@@ -18,6 +18,34 @@ W8A16          int8 symmetric, group-wise (the library preset is      pack-quant
 FP8_DYNAMIC    float8 e4m3 per output channel; activations float8     float-quantized
                per token, dynamic
 =============  =====================================================  ================
+
+and the serving presets (``SERVING_SCHEME_NAMES``; docs/output.md has their tensors and engines):
+
+=============  =====================================================  ====================
+name           weights; activations                                   format
+=============  =====================================================  ====================
+FP8_BLOCK      fp8 e4m3, one scale per 128 x 128 block (partial edge  float-quantized
+               blocks); fp8 per-token groups of 128, dynamic
+FP8            fp8 e4m3, one scale per tensor; fp8 per tensor,        float-quantized
+               STATIC (``input_scale``: calibrated)
+NVFP4A16       fp4 e2m1 groups of 16, fp8 scales, float32 global      nvfp4-pack-quantized
+               scale per tensor; none
+NVFP4          NVFP4A16's weights; fp4 groups of 16 at run time under nvfp4-pack-quantized
+               a STATIC global scale (``input_global_scale``)
+MXFP4A16       fp4 e2m1 groups of 32, e8m0 (power-of-two) scales      mxfp4-pack-quantized
+MXFP4          MXFP4A16's weights; mxfp4 activations, dynamic         mxfp4-pack-quantized
+MXFP8A16       fp8 e4m3 groups of 32, e8m0 scales                     mxfp8-quantized
+MXFP8          MXFP8A16's weights; mxfp8 activations, dynamic         mxfp8-quantized
+W8A8           int8 per output channel; int8 per token, dynamic       int-quantized
+W4A8           int4 group-wise (128); int8 per token, dynamic         int-quantized
+W4AFP8         int4 group-wise (128); fp8 per token, dynamic          int-quantized
+=============  =====================================================  ====================
+
+``--group-size`` sets the group of the int group-wise presets (W4A16 ... W8A16, W4A8, W4AFP8);
+the others have their format's fixed blocks (NVFP4: 16, MX: 32, FP8_BLOCK: 128 x 128) and
+ignore it.  Which of them need statistics reduced across ranks, or calibrated activation
+scales, is their format's declaration (``formats.required_reductions`` /
+``formats.activation_observers``).
 """
 
 from __future__ import annotations
@@ -34,6 +62,8 @@ from sq.quant.primitives import scale_shape
 __all__ = [
     "QuantScheme",
     "SCHEME_NAMES",
+    "SERVING_SCHEME_NAMES",
+    "PRESET_NAMES",
     "get_scheme",
     "check_group_size",
     "to_compressed_tensors",
@@ -41,7 +71,12 @@ __all__ = [
 ]
 
 _TYPES = ("int", "float")
-_STRATEGIES = ("group", "channel", "tensor")
+_STRATEGIES = ("group", "channel", "tensor", "block", "tensor_group")
+_GROUPED = ("group", "tensor_group")
+_SCALE_DTYPES = tuple(k for k in formats.SCALE_DTYPES if k is not None)
+# fields added after the first release: left out of ``to_dict`` while None, so the resume
+# signature of every scheme that does not use them stays what it was
+_OPTIONAL = ("block_structure", "scale_dtype")
 _ACTIVATIONS = tuple(formats.ACTIVATIONS)
 
 
@@ -60,8 +95,10 @@ class QuantScheme(DictConfig):
     type: str = "int"  # "int" | "float"
     symmetric: bool = True
     strategy: str = "group"  # "group" | "channel" | "tensor"
-    group_size: int | None = 128  # None unless "group"
-    activations: str = "none"  # "none" | "fp8_dynamic_token"
+    group_size: int | None = 128  # None unless "group" / "tensor_group"
+    activations: str = "none"  # a key of formats.ACTIVATIONS
+    block_structure: tuple[int, int] | None = None  # (rows, cols), "block" only
+    scale_dtype: str | None = None  # None (the weight's dtype) | "float8_e4m3fn" | "e8m0"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -79,14 +116,15 @@ class QuantScheme(DictConfig):
             )
         if isinstance(self.num_bits, bool) or not isinstance(self.num_bits, int):
             raise ValueError(f"scheme {self.name}: num_bits must be an int, got {self.num_bits!r}")
-        if self.strategy == "group":
+        self._check_block_and_scale()
+        if self.strategy in _GROUPED:
             if (
                 isinstance(self.group_size, bool)
                 or not isinstance(self.group_size, int)
                 or self.group_size <= 0
             ):
                 raise ValueError(
-                    f"scheme {self.name}: strategy 'group' needs a positive int group_size, "
+                    f"scheme {self.name}: strategy {self.strategy!r} needs a positive int group_size, "
                     f"got {self.group_size!r}"
                 )
         elif self.group_size is not None:
@@ -94,6 +132,20 @@ class QuantScheme(DictConfig):
                 f"scheme {self.name}: strategy {self.strategy!r} takes group_size=None, got {self.group_size!r}"
             )
         formats.format_for(self)  # ValueError naming each format's reason when none writes it
+
+    def _check_block_and_scale(self) -> None:
+        b = self.block_structure
+        if b is not None:
+            if (not isinstance(b, (tuple, list)) or len(b) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in b)):
+                raise ValueError(f"scheme {self.name}: block_structure must be two positive ints, got {b!r}")
+            object.__setattr__(self, "block_structure", tuple(b))  # from JSON: a list
+        if (self.strategy == "block") != (b is not None):
+            raise ValueError(f"scheme {self.name}: strategy 'block' and block_structure go together "
+                             f"(strategy {self.strategy!r}, block_structure {b!r})")
+        if self.scale_dtype is not None and self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scheme {self.name}: scale_dtype must be None or one of {_SCALE_DTYPES}, "
+                             f"got {self.scale_dtype!r}")
 
     # -- derived facts -------------------------------------------------------------------
 
@@ -121,6 +173,15 @@ class QuantScheme(DictConfig):
 
     # -- serialization -------------------------------------------------------------------
 
+    def to_dict(self) -> dict:
+        """The fields; ``block_structure`` / ``scale_dtype`` only when set (a list for JSON)."""
+        d = super().to_dict()
+        for k in _OPTIONAL:
+            if d[k] is None:
+                del d[k]
+        if "block_structure" in d:
+            d["block_structure"] = list(d["block_structure"])
+        return d
 
 
 def _presets(group_size: int) -> dict[str, QuantScheme]:
@@ -136,19 +197,47 @@ def _presets(group_size: int) -> dict[str, QuantScheme]:
     }
 
 
+def _serving_presets(group_size: int) -> dict[str, QuantScheme]:
+    nvfp4 = dict(strategy="tensor_group", group_size=16, scale_dtype="float8_e4m3fn")
+    mx = dict(strategy="group", group_size=32, scale_dtype="e8m0")
+    return {
+        "FP8_BLOCK": QuantScheme("FP8_BLOCK", 8, "float", True, "block", None, "fp8_dynamic_group128",
+                                 block_structure=(128, 128)),
+        "FP8": QuantScheme("FP8", 8, "float", True, "tensor", None, "fp8_static_tensor"),
+        "NVFP4A16": QuantScheme("NVFP4A16", 4, "float", **nvfp4),
+        "NVFP4": QuantScheme("NVFP4", 4, "float", activations="nvfp4_static_global", **nvfp4),
+        "MXFP4A16": QuantScheme("MXFP4A16", 4, "float", **mx),
+        "MXFP4": QuantScheme("MXFP4", 4, "float", activations="mxfp4_dynamic", **mx),
+        "MXFP8A16": QuantScheme("MXFP8A16", 8, "float", **mx),
+        "MXFP8": QuantScheme("MXFP8", 8, "float", activations="mxfp8_dynamic", **mx),
+        "W8A8": QuantScheme("W8A8", 8, "int", True, "channel", None, "int8_dynamic_token"),
+        "W4A8": QuantScheme("W4A8", 4, "int", True, "group", group_size, "int8_dynamic_token"),
+        "W4AFP8": QuantScheme("W4AFP8", 4, "int", True, "group", group_size, "fp8_dynamic_token"),
+    }
+
+
 SCHEME_NAMES: tuple[str, ...] = tuple(_presets(128))
+"""The first presets: weight-only int and FP8_DYNAMIC, row-independent, for every algorithm."""
+SERVING_SCHEME_NAMES: tuple[str, ...] = tuple(_serving_presets(128))
+"""compressed-tensors' serving presets of issue 17 (FP8 block / static, NVFP4, MX, W8A8, W4A8)."""
+PRESET_NAMES: tuple[str, ...] = SCHEME_NAMES + SERVING_SCHEME_NAMES
+"""Every preset ``get_scheme`` (``--scheme``, recipes, ``sq.quantize``) accepts."""
+_GROUP_PRESETS = ("W4A16", "W4A16_ASYM", "W3A16", "W2A16", "W8A16", "W4A8", "W4AFP8")
 
 
 def get_scheme(name: str, group_size: int = 128) -> QuantScheme:
-    """The preset ``name`` (case-insensitive); ``group_size`` is ignored by per-channel FP8."""
+    """The preset ``name`` (case-insensitive); ``group_size`` sets the int group-wise presets'
+    group and is ignored by the others (fixed blocks, or per-channel / per-tensor scales)."""
     key = str(name).upper()
-    if key not in SCHEME_NAMES:
-        raise SqError(f"unknown scheme {name!r}; choose one of {', '.join(SCHEME_NAMES)}")
-    if key != "FP8_DYNAMIC" and (
+    if key not in PRESET_NAMES:
+        raise SqError(f"unknown scheme {name!r}; choose one of {', '.join(PRESET_NAMES)}")
+    if key in _GROUP_PRESETS and (
         isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
     ):
         raise SqError(f"scheme {key}: group size must be a positive integer, got {group_size!r}")
-    return _presets(group_size)[key]
+    if key in SCHEME_NAMES:
+        return _presets(group_size)[key]
+    return _serving_presets(group_size if key in _GROUP_PRESETS else 128)[key]
 
 
 def check_group_size(layer_name: str, in_features: int, scheme: QuantScheme) -> None:
@@ -157,11 +246,13 @@ def check_group_size(layer_name: str, in_features: int, scheme: QuantScheme) -> 
     compressed-tensors (and vLLM's kernels) need ``in_features % group_size == 0``;
     a ragged last group would be silently mis-shaped on load.
     """
-    if scheme.strategy == "group" and in_features % scheme.group_size != 0:
+    if scheme.strategy in _GROUPED and in_features % scheme.group_size != 0:
+        # NVFP4's 16 and MX's 32 are fixed by their formats (scales in fp8 / e8m0)
+        fix = (f"pick a group size that divides {in_features}, or add the layer to --ignore"
+               if scheme.scale_dtype is None else "its format fixes the group size: add the layer to --ignore")
         raise SqError(
             f"{layer_name}: group size {scheme.group_size} does not divide in_features "
-            f"{in_features} (scheme {scheme.name}); pick a group size that divides "
-            f"{in_features}, or add the layer to --ignore"
+            f"{in_features} (scheme {scheme.name}); {fix}"
         )
 
 
