@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sq.load.meta import decoder_blocks, experts_modules
+from sq.anatomy import decoder_blocks, experts_modules
 from sq.quant import rtn
 
 

@@ -25,7 +25,8 @@ from sq.load.fill import SqStorageReader, dcp_read, module_of, requests_for, set
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
-from sq.load.meta import build_skeleton, config_problems, decoder_blocks, tokenizer_problems
+from sq.anatomy import decoder_blocks
+from sq.load.meta import build_skeleton, config_problems, tokenizer_problems
 from sq.load.source import CheckpointSource, scan_checkpoint
 from sq.parallel.fsdp import apply_parallel, root_param_problems
 

@@ -118,27 +118,3 @@ def model_type_problems(config: dict, root: Path, *, trust_remote_code: bool) ->
 def _one_line(e, limit: int = 300) -> str:
     text = " ".join((e if isinstance(e, str) else f"{type(e).__name__}: {e}").split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The decoder blocks, in order: the largest ``*.layers`` ModuleList (the text decoder in a VLM)."""
-    best, best_n = None, -1
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] == "layers" and len(mod):
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = name, n
-    if best is None:
-        raise LoadRefused(f"{type(model).__name__} has no '*.layers' ModuleList of decoder blocks")
-    blocks = model.get_submodule(best)
-    return [(f"{best}.{i}", b) for i, b in enumerate(blocks)]
-
-
-def is_experts_module(mod: nn.Module) -> bool:
-    """transformers 5 fused experts: 3-D ``gate_up_proj`` / ``down_proj`` parameters."""
-    p = mod._parameters
-    return "down_proj" in p and p["down_proj"] is not None and p["down_proj"].dim() == 3
-
-
-def experts_modules(block: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in block.named_modules() if is_experts_module(m)]

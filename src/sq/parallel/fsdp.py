@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sq.dist import world_mesh
 from sq.errors import LoadRefused
-from sq.load.meta import decoder_blocks, experts_modules
+from sq.anatomy import decoder_blocks, experts_modules
 from sq.parallel.expert import shard_experts
 
 

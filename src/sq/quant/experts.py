@@ -23,12 +23,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from sq.anatomy import EXPERT_PARAMS
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
 from sq.parallel.collectives import all_gather_rows
 from sq.quant.gptq import GPTQ
 
-FUSED = ("gate_up_proj", "down_proj")
 
 
 @dataclass
@@ -50,7 +50,7 @@ def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]
     ``down_proj``), which is what vLLM's per-expert loaders read.
     """
     slots = []
-    for pname in FUSED:
+    for pname in EXPERT_PARAMS:
         target = f"{prefix}.{pname}"
         p = experts._parameters[pname]
         n_exp, rows = p.shape[0], p.shape[1]

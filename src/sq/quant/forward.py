@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.load.meta import decoder_blocks
+from sq.anatomy import decoder_blocks
 
 CALIB_BATCH = 8  # samples per calibration forward
 

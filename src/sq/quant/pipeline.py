@@ -37,12 +37,12 @@ from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
 from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, shard_name, written_by_sq
 from sq.load.fill import local_box
-from sq.load.meta import decoder_blocks, experts_modules
+from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
 from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.quant import formats
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
-from sq.quant.experts import FUSED, export_slots, full_expert_rows, is_ep_param, local_experts
+from sq.quant.experts import export_slots, full_expert_rows, is_ep_param, local_experts
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.quant.schemes import QuantScheme, check_group_size
@@ -256,11 +256,11 @@ def claim_output(out: Path, sig: dict, resume: str, state: RunState, rank: int) 
 
 def _nonfinite(linears: list[Linear], experts, device) -> list[str]:
     """The block's quantized weights holding NaN or Inf on any rank (collective; the same list on every rank)."""
-    names = [l.name for l in linears] + [f"{e}.{p}" for e, _, _ in experts for p in FUSED]
+    names = [l.name for l in linears] + [f"{e}.{p}" for e, _, _ in experts for p in EXPERT_PARAMS]
     if not names:
         return []
     local = [local_box(l.module.weight)[0] for l in linears]
-    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in FUSED]
+    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in EXPERT_PARAMS]
     flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [n for n, f in zip(names, flags.tolist()) if f]
@@ -433,7 +433,7 @@ class _Pipeline:
         expert_q = {}
         for eprefix, ex, scheme in work.experts:
             expert_q[eprefix] = {}
-            for pname in FUSED:
+            for pname in EXPERT_PARAMS:
                 local, off = local_box(ex._parameters[pname])
                 solved = self.algo.solve_experts(work, eprefix, ex, pname, local, off[0], scheme)
                 for i, s in enumerate(solved):
@@ -487,7 +487,7 @@ class _Pipeline:
                     tensors[lin.ckpt_prefix + rel] = v
         for (eprefix, ex, scheme) in work.experts:
             tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme))
-        skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in FUSED}
+        skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in EXPERT_PARAMS}
         params = dict(self.model.named_parameters())
         for n in names:
             if n in skip:
@@ -620,7 +620,7 @@ def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme) ->
     p0 = ex._parameters["down_proj"]
     dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
     full = {}
-    for pname in FUSED:
+    for pname in EXPERT_PARAMS:
         p = ex._parameters[pname]
         q, scale, zp = qdata[pname]
         if q is None:

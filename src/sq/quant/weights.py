@@ -25,7 +25,7 @@ from sq.errors import SqError
 from sq.export import writer
 from sq.files import CARRIED_NAME
 from sq.load.loader import LoadPlan, fill, free
-from sq.load.meta import decoder_blocks, experts_modules
+from sq.anatomy import decoder_blocks, experts_modules
 from sq.resume import source_identity
 
 

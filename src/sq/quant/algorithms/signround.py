@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from sq.load.fill import local_box
-from sq.load.meta import decoder_blocks, experts_modules
+from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register
-from sq.quant.experts import FUSED
 from sq.quant.recipe import scheme_tag
 from sq.parallel.collectives import dim0_counts
 from sq.parallel.fsdp import unsharded
@@ -43,7 +42,7 @@ class SignRoundAlgorithm(Algorithm):
             slots[lin.name] = Slot(lin.name, lin.module, "weight", lin.scheme, local,
                                    dim0_counts(lin.module.out_features, work.world))
         for eprefix, ex, scheme in work.experts:
-            for pname in FUSED:
+            for pname in EXPERT_PARAMS:
                 p = ex._parameters[pname]
                 local, _ = local_box(p)
                 slots[f"{eprefix}.{pname}"] = Slot(f"{eprefix}.{pname}", ex, pname, scheme, local,
