@@ -12,7 +12,8 @@ Runs in sq's venv (it only starts subprocesses; llm-compressor runs in bench/_wo
 - ``ref``: bench/peers/llmc_rtn.py in venv-llmc -> bench/_work/ref/<model>-<PRESET> (kept; an existing
   complete output is skipped unless --force). Int group presets use --group-size 64 (576 % 128 != 0).
 - ``sq``: ``python -m sq.ptq --scheme P --algo rtn --group-size 64`` (one process) ->
-  bench/_work/sq/<model>-<PRESET>, then bench/peers/compare.py sq-vs-reference. A preset sq's
+  bench/_work/sq/<model>-<PRESET> (with the reference's ``--nsamples/--seqlen`` when it calibrated),
+  then bench/peers/compare.py sq-vs-reference. A preset sq's
   --scheme refuses is recorded as "not in sq". ``--sq-src DIR`` puts DIR first on PYTHONPATH (e.g. a
   ``git archive HEAD src`` snapshot while the working tree is mid-edit); default: sq as installed.
 - ``eval``: ``python -m sq.eval --model REF_DIR`` (fp32, last 40 windows of 512 of pydoc) on each

@@ -57,6 +57,9 @@ def build_parser() -> ArgParser:
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
     add_arguments(p)  # each algorithm's settings, from its config's fields (sq.quant.algorithms)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the checkpoint's own modeling and tokenizer code (auto_map); only if you trust "
+                        "its author (default: refused)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="leave Linears whose weights hold NaN/Inf unquantized (listed in the config's ignore) "
                         "instead of refusing the run")
@@ -73,7 +76,8 @@ def parse_args(argv=None):
                      group_size=a.group_size, nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
-                     skip_nonfinite=a.skip_nonfinite, fault=os.environ.get("SQ_FAULT"))
+                     skip_nonfinite=a.skip_nonfinite, trust_remote_code=a.trust_remote_code,
+                     fault=os.environ.get("SQ_FAULT"))
 
 
 def main(argv=None) -> int:

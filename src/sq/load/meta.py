@@ -54,8 +54,9 @@ def tokenizer_problems(root: str | Path, *, trust_remote_code: bool) -> list[str
         return []
     names = sorted(map(str, auto_map)) if isinstance(auto_map, dict) else [str(auto_map)[:200]]
     return [f"{path} has auto_map {names}: the checkpoint's tokenizer needs its own Python code, which sq does not "
-            "run (sq.ptq and sq.eval never; sq.inspect only with --trust-remote-code); use a tokenizer that "
-            "transformers knows (tokenizer.json with a built-in tokenizer_class) or drop auto_map"]
+            "run unless you pass --trust-remote-code (sq.ptq, sq.inspect; sq.eval never): pass it only if you trust "
+            "the checkpoint's author, or use a tokenizer that transformers knows (tokenizer.json with a built-in "
+            "tokenizer_class)"]
 
 
 def build_skeleton(root: str | Path, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:

@@ -58,6 +58,7 @@ class PTQConfig:
     ep: int = 1
     resume: str = "auto"  # auto | never | require
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
+    trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
 
@@ -120,7 +121,7 @@ class PTQConfig:
         # skip_nonfinite decides only what happens to a non-finite weight, which refuses the run
         # without it: a rerun that adds the flag continues the blocks already done
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite",
-                  "algo", "algo_settings"):
+                  "algo", "algo_settings", "trust_remote_code"):
             d.pop(k)
         if not calibrated:
             for k in CALIBRATION_FIELDS:
@@ -150,13 +151,13 @@ def quantize_model(cfg: PTQConfig) -> dict:
     raise_all(problems, "recipe checks")
 
     src = resolve_model_dist(cfg.model)  # a hub id: rank 0 downloads, the others wait
-    model = build_skeleton(src)
-    plan = plan_load(model, src)
+    model = build_skeleton(src, trust_remote_code=cfg.trust_remote_code)
+    plan = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
     weights = CheckpointWeights(model, plan, src, device)
     text = tokenizer = None
     if cfg.calibrated:  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
         tokenizer = load_tokenizer(src, model, purpose=f"--algo {cfg.algo.name} tokenizes its calibration data with it",
-                                   trust_remote_code=False)  # auto_map: refused by plan_load
+                                   trust_remote_code=cfg.trust_remote_code)  # auto_map: refused by plan_load unless allowed
         text = read_corpus_dist(cfg.dataset).text(tokenizer)
 
     # the windows are cut before the output folder is touched: a corpus too short for
