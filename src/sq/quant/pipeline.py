@@ -37,10 +37,10 @@ from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
 from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, shard_name, written_by_sq
 from sq.load.fill import local_box
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
+from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups
 from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
-from sq.quant import formats
+from sq.quant import formats, rtn
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
 from sq.quant.experts import export_slots, full_expert_rows, is_ep_param, local_experts
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
@@ -148,17 +148,26 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
 
 def _row_shard_problems(targets: Targets) -> list[str]:
     """The row-independence contract, enforced: every rank quantizes only its rows, so a scheme whose
-    scales read statistics across rows must declare them as reductions (``sq.quant.formats``), and
-    the pipeline must apply them before any rank solves (none is applied yet: such schemes are refused)."""
-    schemes = {l.scheme for ls in targets.linears for l in ls} | {s for es in targets.experts for _, _, s in es}
+    scales read statistics across rows must declare them as reductions (``sq.quant.formats``; the
+    ``reduce`` stage all-reduces them before any rank solves).  Refused too, until wired: calibrated
+    activation scales (static FP8 / NVFP4 W4A4 inputs) and whole-tensor or 2-D block scales on fused
+    experts (gate and up are separate checkpoint tensors there)."""
+    dense = {l.scheme for ls in targets.linears for l in ls}
+    experts = {s for es in targets.experts for _, _, s in es}
     problems = []
-    for scheme in sorted(schemes, key=scheme_tag):
+    for scheme in sorted(dense | experts, key=scheme_tag):
         try:
-            if formats.required_reductions(scheme):
-                problems.append(f"scheme {scheme_tag(scheme)} needs statistics reduced across ranks before "
-                                "rows are quantized, which this pipeline does not apply yet")
+            formats.check_row_shardable(scheme)
         except SqError as e:
             problems += e.problems
+            continue
+        if formats.activation_observers(scheme):
+            problems.append(f"scheme {scheme.name} writes calibrated activation scales, which sq does not "
+                            "observe yet; use its dynamic-activation or weight-only variant")
+        if scheme in experts and not rtn.scales_follow_rows(scheme):
+            problems.append(f"scheme {scheme.name} on fused experts (per-tensor or 2-D block scales of the "
+                            "separate gate/up checkpoint tensors) is not supported yet; leave the experts to another "
+                            "scheme in a recipe")
     return problems
 
 
@@ -373,6 +382,7 @@ class _Pipeline:
         work = BlockWork(b, prefix, block, self.targets.linears[b], self.targets.experts[b], self.inputs,
                          self.fp_inputs, self.steps, self.dummy, self.device, self.rank, self.world,
                          self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts)
+        self._reduce(work)
         t = time.perf_counter()
         if self.algo.fp_chain:  # capture: the full-precision outputs are the algorithm's targets
             work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy)
@@ -417,6 +427,37 @@ class _Pipeline:
             self.skipped += bad
         return bad
 
+    def _reduce(self, work: BlockWork) -> None:
+        """Statistics a format reads across a weight's rows (NVFP4's global absmax, FP8's per-tensor or
+        per-block absmax), all-reduced over the ranks holding its rows before anyone solves, and
+        combined over fused partners (q/k/v, gate/up), which an engine loads as one weight."""
+        for lin in work.linears:
+            local, off = local_box(lin.module.weight)
+            work.row_offset[lin.name] = off[0]
+            reds = formats.required_reductions(lin.scheme)
+            if reds:
+                stats = rtn.local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
+                for r in reds:
+                    dist.all_reduce(stats[r.stat], op=r.reduce_op)
+                work.stats[lin.name] = stats
+        for group in partner_groups([n for n in work.stats if "global_absmax" in work.stats[n]]):
+            if len(group) > 1:  # one global scale per fused weight (vLLM requires it; llm-compressor does it)
+                shared = torch.stack([work.stats[n]["global_absmax"] for n in group]).amax(0)
+                for n in group:
+                    work.stats[n]["global_absmax"] = shared.clone()
+        for eprefix, ex, scheme in work.experts:
+            if not formats.required_reductions(scheme):
+                continue
+            for pname in EXPERT_PARAMS:
+                p = ex._parameters[pname]
+                local, _ = local_box(p)  # [n_local, rows_local, in]; gate and up rows share one statistic
+                stats = [rtn.local_stats(local[i], scheme) for i in range(local.shape[0])]
+                if is_ep_param(p) and p.device_mesh.size(0) > 1:  # an expert's rows are split over dp
+                    for st in stats:
+                        for r in formats.required_reductions(scheme):
+                            dist.all_reduce(st[r.stat], op=r.reduce_op, group=p.device_mesh.get_group(0))
+                work.stats[(eprefix, pname)] = stats
+
     def _solve(self, work: BlockWork):
         """This rank's rows of every target -> data; the dequantized rows go back into the shard."""
         results: dict[str, tuple[Solved, list[float]]] = {}
@@ -442,7 +483,8 @@ class _Pipeline:
                     torch.stack([s.q for s in solved]) if solved else None,
                     torch.stack([s.scale for s in solved]) if solved else None,
                     torch.stack([s.zero_point for s in solved]) if solved and solved[0].zero_point is not None
-                    else None)
+                    else None,
+                    [s.global_scale for s in solved])
         self.algo.release(work)
         return results, expert_q
 
@@ -480,10 +522,13 @@ class _Pipeline:
             out_f, in_f = lin.module.out_features, lin.module.in_features
             rows = dim0_counts(out_f, self.world)
             fq = gather_rows(s.q, rows, lin.owner)
-            fs = gather_rows(s.scale, rows, lin.owner)
-            fz = gather_rows(s.zero_point, rows, lin.owner) if s.zero_point is not None else None
+            fs, fz = s.scale, s.zero_point  # whole on every rank unless scales follow rows
+            if rtn.scales_follow_rows(lin.scheme):
+                fs = gather_rows(s.scale, rows, lin.owner)
+                fz = gather_rows(s.zero_point, rows, lin.owner) if s.zero_point is not None else None
             if rank == lin.owner:
-                for rel, v in compress_weight((fq, fs, fz), lin.scheme, (out_f, in_f)).items():
+                for rel, v in compress_weight((fq, fs, fz), lin.scheme, (out_f, in_f),
+                                              global_scale=s.global_scale).items():
                     tensors[lin.ckpt_prefix + rel] = v
         for (eprefix, ex, scheme) in work.experts:
             tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme))
@@ -622,18 +667,19 @@ def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme) ->
     full = {}
     for pname in EXPERT_PARAMS:
         p = ex._parameters[pname]
-        q, scale, zp = qdata[pname]
+        q, scale, zp, gs = qdata[pname]
         if q is None:
             continue
-        full[pname] = tuple(full_expert_rows(t, p) if t is not None else None for t in (q, scale, zp))
+        full[pname] = (*(full_expert_rows(t, p) if t is not None else None for t in (q, scale, zp)), gs)
     for slot in export_slots(eprefix, ex, pieces):
         if slot.expert not in mine or slot.expert % dp != dp_rank or slot.param not in full:
             continue
-        q, scale, zp = full[slot.param]
+        q, scale, zp, gs = full[slot.param]
         i = slot.expert - mine.start
         sl = slice(slot.lo, slot.hi)
         w = (q[i, sl], scale[i, sl], zp[i, sl] if zp is not None else None)
-        for rel, v in compress_weight(w, scheme, tuple(w[0].shape)).items():
+        for rel, v in compress_weight(w, scheme, tuple(w[0].shape),
+                                      global_scale=gs[i].clone() if gs[i] is not None else None).items():
             tensors[slot.ckpt_prefix + rel] = v
     return tensors
 

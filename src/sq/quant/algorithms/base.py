@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from sq.errors import SqError
 from sq.quant import rtn
+from sq.quant.experts import local_experts
 from sq.quant.settings import AlgoConfig
 
 __all__ = ["Algorithm", "BlockWork", "Solved", "rtn_rows", "register", "algorithm_names", "config_type",
@@ -49,6 +50,7 @@ class Solved:
     zero_point: torch.Tensor | None
     deq: torch.Tensor
     H: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None  # NVFP4's per-tensor scale (the same on every rank)
 
 
 @dataclass
@@ -77,15 +79,23 @@ class BlockWork:
     seed: int
     calibrate_all_experts: bool
     fp_out: list | None = None
+    # cross-row statistics (sq.quant.formats reductions), already all-reduced and shared by fused
+    # partners: dense weight name -> stats; (experts prefix, param) -> one dict per local expert
+    stats: dict = field(default_factory=dict)
+    row_offset: dict = field(default_factory=dict)  # dense weight name -> this rank's first row
     state: dict = field(default_factory=dict)
     expert_fallback: list[str] = field(default_factory=list)  # experts no token reached (RTN instead)
 
 
-def rtn_rows(w: torch.Tensor, scheme) -> Solved:
-    """Round-to-nearest of the rows ``w [rows, in]`` (what every algorithm is compared with)."""
-    scale, zp = rtn.compute_qparams(w, scheme)
-    q = rtn.quantize(w, scale, zp, scheme)
-    return Solved(q, scale, zp, rtn.dequantize(q, scale, zp, scheme).to(w.dtype))
+def rtn_rows(w: torch.Tensor, scheme, stats=None, row_offset: int = 0) -> Solved:
+    """Round-to-nearest of the rows ``w [rows, in]`` (what every algorithm is compared with).
+
+    ``stats``: the weight's cross-row statistics, all-reduced (None for row-independent schemes);
+    ``row_offset``: the first row of ``w`` in the weight (block scales are indexed by it)."""
+    qp = rtn.qparams(w, scheme, stats=stats)
+    q = rtn.quantize(w, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+    deq = rtn.dequantize(q, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+    return Solved(q, qp.scale, qp.zero_point, deq.to(w.dtype), global_scale=qp.global_scale)
 
 
 class Algorithm:
@@ -108,12 +118,13 @@ class Algorithm:
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         """This rank's rows ``w [rows, in]`` of ``linear`` (a copy; the pipeline writes ``deq`` back)."""
-        return rtn_rows(w, linear.scheme)
+        return rtn_rows(w, linear.scheme, work.stats.get(linear.name), work.row_offset.get(linear.name, 0))
 
     def solve_expert(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, e: int, w: torch.Tensor,
                      scheme) -> Solved:
         """Expert ``e``'s local rows ``w [rows, in]`` of projection ``pname``."""
-        return rtn_rows(w, scheme)
+        stats = work.stats.get((eprefix, pname))
+        return rtn_rows(w, scheme, stats[e - local_experts(ex).start] if stats else None)
 
     def solve_experts(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, local: torch.Tensor,
                       first: int, scheme) -> list[Solved]:

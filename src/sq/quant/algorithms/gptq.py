@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sq.anatomy import decoder_blocks, is_experts_module
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
 from sq.quant.experts import ExpertCalibration
 from sq.quant.forward import block_forward
 from sq.quant.gptq import GPTQ, GPTQConfig
+from sq.quant.recipe import scheme_tag
 
 # Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
 # a sweep holds a few copies of them).  Larger stacks amortize the per-column loop further.
@@ -58,6 +60,19 @@ class GPTQAlgorithm(Algorithm):
     config_type = GPTQConfig
     calibrated = True
     error_metric = "output (through H)"
+
+    def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
+        """GPTQ's column sweep recomputes group scales from plain per-row min/max: schemes whose scales
+        need more (a global scale, fp8/e8m0 scale types, per-tensor or 2-D blocks) are refused."""
+        bad = set()
+        for prefix, block in decoder_blocks(model):
+            for n, m in block.named_modules():
+                if isinstance(m, torch.nn.Linear) or is_experts_module(m):
+                    s = assigner.assign(f"{prefix}.{n}")
+                    if s is not None and (s.strategy not in ("group", "channel") or s.scale_dtype is not None):
+                        bad.add(scheme_tag(s))
+        return [f"--algo gptq solves integer and FP8 channel/group schemes; {t} is not supported by it yet "
+                "(use --algo rtn for it)" for t in sorted(bad)]
 
     def observe(self, work: BlockWork) -> None:
         """Dense Linears: Hessians summed over every rank's tokens; experts: at their owner."""
