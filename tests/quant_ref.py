@@ -84,3 +84,12 @@ def quantize_jobs(rank, world, jobs) -> list[str | None]:
         except SqError as e:
             out.append(str(e))
     return out
+
+
+def exact_bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's exact bits as integers (a signed zero differs from +0; NaN payloads compare)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    if t.is_floating_point():
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t

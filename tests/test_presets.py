@@ -16,6 +16,8 @@ import json
 
 import pytest
 import torch
+
+from quant_ref import exact_bits
 import torch.nn.functional as F
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.compressors.format import infer_module_format
@@ -64,12 +66,6 @@ def _acts(cols: int, dtype, seed: int = 1) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8)
-    if t.is_floating_point():
-        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t
 
 
 def _assert_same(ours: dict, ref: dict, where=""):
@@ -77,7 +73,7 @@ def _assert_same(ours: dict, ref: dict, where=""):
     for k in ref:
         assert ours[k].dtype == ref[k].dtype, (where, k, ours[k].dtype, ref[k].dtype)
         assert ours[k].shape == ref[k].shape, (where, k, ours[k].shape, ref[k].shape)
-        assert torch.equal(_bits(ours[k]), _bits(ref[k])), (where, k)
+        assert torch.equal(exact_bits(ours[k]), exact_bits(ref[k])), (where, k)
 
 
 # ------------------------------------------------------------------ the library's own path

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from quant_ref import exact_bits
 from compressed_tensors.compressors.mx_utils import compress_mx_scale, decompress_mx_scale
 from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
 from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
@@ -30,13 +32,6 @@ def _weight(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Te
     return w.to(dtype)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Exact bits (a signed zero differs from +0)."""
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8)
-    if t.is_floating_point():
-        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t
 
 
 def _args(preset: str, **overrides) -> QuantizationArgs:
@@ -61,7 +56,7 @@ def test_e2m1_rounding_equals_library(dtype):
     x = x.to(dtype)
     ours, ref = P.round_to_e2m1(x), cast_to_fp4(x.clone())
     assert ours.dtype == ref.dtype == dtype
-    assert torch.equal(_bits(ours), _bits(ref))
+    assert torch.equal(exact_bits(ours), exact_bits(ref))
     values = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
     assert set(ours.abs().float().tolist()) <= values
     # ties go to the even code, as round-to-nearest-even in e2m1
@@ -76,7 +71,7 @@ def test_power_of_two_rounding_equals_library(dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.cat([torch.rand(4000, generator=g) * 10.0 ** torch.randint(-6, 4, (4000,), generator=g),
                    torch.tensor([0.0, 1.0, 1.5, 1.4999, 3.0, 6.0])]).to(dtype)
-    assert torch.equal(_bits(P.round_to_power_of_two(x)), _bits(round_to_power_2(x)))
+    assert torch.equal(exact_bits(P.round_to_power_of_two(x)), exact_bits(round_to_power_2(x)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -88,14 +83,14 @@ def test_e8m0_scales_equal_library_mxfp4(dtype):
     wg = w.unflatten(-1, (-1, 32))
     ref_scale, _ = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
     assert qp.scale.dtype == ref_scale.dtype == dtype and qp.zero_point is None
-    assert torch.equal(_bits(qp.scale), _bits(ref_scale))
+    assert torch.equal(exact_bits(qp.scale), exact_bits(ref_scale))
     # powers of two the MX compressor stores exactly as biased exponents
     assert torch.equal(decompress_mx_scale(compress_mx_scale(qp.scale, torch.uint8)).to(dtype), qp.scale)
     q = P.quantize(w, qp, spec)
     ref_q = ct_quantize(w, ref_scale, None, args)
-    assert q.dtype == torch.bfloat16 and torch.equal(_bits(q), _bits(ref_q.to(torch.bfloat16)))
+    assert q.dtype == torch.bfloat16 and torch.equal(exact_bits(q), exact_bits(ref_q.to(torch.bfloat16)))
     deq = P.dequantize(q, qp, spec)
-    assert torch.equal(_bits(deq), _bits(ct_dequantize(ref_q, ref_scale, None, args)))
+    assert torch.equal(exact_bits(deq), exact_bits(ct_dequantize(ref_q, ref_scale, None, args)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -108,15 +103,15 @@ def test_nvfp4_global_and_fp8_scales_equal_library(dtype):
     wg = w.unflatten(-1, (-1, 16))
     ref_scale, _ = calculate_qparams(wg.amin(-1), wg.amax(-1), args, global_scale=ref_g)
     assert torch.equal(qp.global_scale, ref_g) and qp.global_scale.dtype == torch.float32
-    assert qp.scale.dtype == ref_scale.dtype and torch.equal(_bits(qp.scale), _bits(ref_scale))
+    assert qp.scale.dtype == ref_scale.dtype and torch.equal(exact_bits(qp.scale), exact_bits(ref_scale))
     # the scales are fp8 values (what the NVFP4 compressor casts them to)
     assert torch.equal(qp.scale.to(torch.float8_e4m3fn).to(qp.scale.dtype), qp.scale)
     q = P.quantize(w, qp, spec)
     ref_q = ct_quantize(w, ref_scale, None, args, global_scale=ref_g)
-    assert torch.equal(_bits(q), _bits(ref_q.to(torch.bfloat16)))
+    assert torch.equal(exact_bits(q), exact_bits(ref_q.to(torch.bfloat16)))
     deq = P.dequantize(q, qp, spec)
     ref_deq = ct_dequantize(ref_q, ref_scale, None, args, global_scale=ref_g)
-    assert torch.equal(_bits(deq), _bits(ref_deq))
+    assert torch.equal(exact_bits(deq), exact_bits(ref_deq))
 
 
 # ------------------------------------------------------------------ block shapes
@@ -133,13 +128,13 @@ def test_per_tensor_fp8_and_int_equal_library(dtype):
         qp = P.choose_qparams(w, spec)
         ref_scale, ref_zp = calculate_qparams(w.amin(), w.amax(), args)
         assert qp.scale.shape == (1,) == ref_scale.shape
-        assert torch.equal(_bits(qp.scale), _bits(ref_scale))
+        assert torch.equal(exact_bits(qp.scale), exact_bits(ref_scale))
         if qp.zero_point is not None:
             assert torch.equal(qp.zero_point, ref_zp)
         q = P.quantize(w, qp, spec)
         ref_q = ct_quantize(w, ref_scale, ref_zp if qp.zero_point is not None else None, args,
                             dtype=spec.qtype.storage_dtype)
-        assert torch.equal(_bits(q), _bits(ref_q))
+        assert torch.equal(exact_bits(q), exact_bits(ref_q))
         deq = P.dequantize(q, qp, spec)
         assert torch.equal(deq, ct_dequantize(ref_q, ref_scale, qp.zero_point, args))
 
@@ -152,10 +147,10 @@ def test_2d_blocks_with_partial_edges_equal_library(dtype):
     qp = P.choose_qparams(w, spec)
     ref_scale, _ = calculate_qparams(*_block_minmax(w, 16, 32), args)
     assert qp.scale.shape == (3, 3) == P.scale_shape(spec.granularity, tuple(w.shape))
-    assert torch.equal(_bits(qp.scale), _bits(ref_scale))
+    assert torch.equal(exact_bits(qp.scale), exact_bits(ref_scale))
     q = P.quantize(w, qp, spec)
     ref_q = ct_quantize(w, ref_scale, None, args, dtype=torch.float8_e4m3fn)
-    assert torch.equal(_bits(q), _bits(ref_q))
+    assert torch.equal(exact_bits(q), exact_bits(ref_q))
     assert torch.equal(P.dequantize(q, qp, spec), ct_dequantize(ref_q, ref_scale, None, args))
 
 
@@ -214,16 +209,16 @@ def test_row_shards_with_reduced_stats_equal_the_whole(name):
     whole_q = P.quantize(w, whole_qp, spec)
     for parts in (_splits(40, 1), _splits(40, 2), _splits(40, 3), [(0, 17), (17, 17), (17, 40)]):
         q, qps = _sharded(w, spec, parts)
-        assert torch.equal(_bits(q), _bits(whole_q)), parts
+        assert torch.equal(exact_bits(q), exact_bits(whole_q)), parts
         for field in ("scale", "zero_point", "global_scale"):
             whole = getattr(whole_qp, field)
             got = [getattr(qp, field) for qp in qps]
             if whole is None:
                 assert all(g is None for g in got)
             elif field != "global_scale" and P.scales_follow_rows(spec):
-                assert torch.equal(_bits(torch.cat(got)), _bits(whole))
+                assert torch.equal(exact_bits(torch.cat(got)), exact_bits(whole))
             else:  # the whole tensor's, identical on every rank
-                assert all(torch.equal(_bits(g), _bits(whole)) for g in got)
+                assert all(torch.equal(exact_bits(g), exact_bits(whole)) for g in got)
         a, b = parts[-1]
         deq = P.dequantize(q[a:b], qps[-1], spec, row_offset=a)
         assert torch.equal(deq, P.dequantize(whole_q, whole_qp, spec)[a:b])
