@@ -21,7 +21,14 @@ Reference: docs/cli.md; every refusal and its fix: docs/troubleshooting.md."""
 
 
 def build_parser() -> ArgParser:
+    import dataclasses
+
     from sq.quant.algorithms import add_arguments, algorithm_names
+    from sq.quant.blockwise import PTQConfig
+
+    # the job's defaults are PTQConfig's (written once); the algorithm's, its config's
+    job_algo = PTQConfig.__dataclass_fields__["algo"].default_factory.name
+    job = {f.name: f.default for f in dataclasses.fields(PTQConfig) if f.default is not dataclasses.MISSING}
 
     p = ArgParser(prog="torchrun -m sq.ptq", description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("--model", required=True,
@@ -29,18 +36,18 @@ def build_parser() -> ArgParser:
                         "safetensors only), or demo:smollm2 / demo:tiny-moe")
     p.add_argument("--output", required=True,
                    help="new or empty output folder, or the folder of an unfinished run to resume")
-    p.add_argument("--scheme", default="W4A16", type=str.upper, choices=PRESET_NAMES, metavar="SCHEME",
+    p.add_argument("--scheme", default=job["scheme"], type=str.upper, choices=PRESET_NAMES, metavar="SCHEME",
                    help=f"quantization scheme for every Linear: {', '.join(PRESET_NAMES)}")
-    p.add_argument("--algo", default="gptq", choices=algorithm_names(),
+    p.add_argument("--algo", default=job_algo, choices=algorithm_names(),
                    help="rtn: round to nearest (no data); gptq: Hessians from calibration data; signround: "
                         "tuned rounding and clipping per block (docs/signround.md)")
-    p.add_argument("--group-size", type=int, default=128, metavar="N",
+    p.add_argument("--group-size", type=int, default=job["group_size"], metavar="N",
                    help="columns per quantization group; must divide every quantized layer's input width")
-    p.add_argument("--nsamples", type=int, default=128, metavar="N",
+    p.add_argument("--nsamples", type=int, default=job["nsamples"], metavar="N",
                    help="calibration windows, split across ranks (gptq, signround)")
-    p.add_argument("--seqlen", type=int, default=512, metavar="N", help="tokens per calibration window")
-    p.add_argument("--seed", type=int, default=0, help="random seed (part of the resume signature)")
-    p.add_argument("--dataset", default="builtin:pydoc", metavar="SPEC",
+    p.add_argument("--seqlen", type=int, default=job["seqlen"], metavar="N", help="tokens per calibration window")
+    p.add_argument("--seed", type=int, default=job["seed"], help="random seed (part of the resume signature)")
+    p.add_argument("--dataset", default=job["dataset"], metavar="SPEC",
                    help="calibration text: builtin:pydoc, a .txt/.jsonl/.parquet file, or a hub dataset "
                         "org/name[:split] (docs/data.md)")
     p.add_argument("--ignore", nargs="*", default=[], metavar="REGEX",
@@ -48,12 +55,12 @@ def build_parser() -> ArgParser:
     p.add_argument("--recipe", default=None, metavar="FILE",
                    help="mixed precision: YAML/JSON of ordered regex -> scheme rules and a default "
                         "(docs/recipes.md; default: --scheme for every Linear)")
-    p.add_argument("--timeout", type=positive_seconds, default=600.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_seconds, default=job["timeout_s"], metavar="SECONDS",
                    help="collective timeout: a dead or hung rank ends the job instead of hanging it")
-    p.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel degree (divides the world size)")
+    p.add_argument("--ep", type=int, default=job["ep"], metavar="N", help="expert-parallel degree (divides the world size)")
     p.add_argument("--no-calibrate-all-experts", dest="calibrate_all", action="store_false",
                    help="feed each expert's Hessian only the tokens routed to it (default: every token)")
-    p.add_argument("--resume", default="auto", choices=("auto", "never", "require"),
+    p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
     add_arguments(p)  # each algorithm's settings, from its config's fields (sq.quant.algorithms)
