@@ -14,10 +14,12 @@ Runs in sq's venv (it only starts subprocesses; llm-compressor runs in bench/_wo
 - ``sq``: ``python -m sq.ptq --scheme P --algo rtn --group-size 64`` (one process) ->
   bench/_work/sq/<model>-<PRESET> (with the reference's ``--nsamples/--seqlen`` when it calibrated),
   then bench/peers/compare.py sq-vs-reference. A preset sq's
-  --scheme refuses is recorded as "not in sq". ``--sq-src DIR`` puts DIR first on PYTHONPATH (e.g. a
+  --scheme refuses (unknown, or "not observed yet") is recorded as "refused by sq". ``--sq-src DIR`` puts DIR first on PYTHONPATH (e.g. a
   ``git archive HEAD src`` snapshot while the working tree is mid-edit); default: sq as installed.
 - ``eval``: ``python -m sq.eval --model REF_DIR`` (fp32, last 40 windows of 512 of pydoc) on each
-  reference; the load error's last line where transformers cannot load it.
+  reference; the load error's last line where transformers cannot load it. ``--dtype bfloat16``:
+  bench/peers/eval_dtype.py instead (same windows and scoring, model loaded in bf16; NVFP4 / MXFP*
+  outputs load only so). Preset ``FP``: the unquantized source model.
 - Every step appends one JSON line to bench/_work/ref/results.jsonl; ``table`` prints the latest
   record per (step, model, preset) as markdown.
 Runs are sequential (the machine is shared).
@@ -141,7 +143,8 @@ def cmd_sq(args) -> int:
             rc, wall, err = run_logged(cmd, LOGS / f"sq-{m}-{p}.log", env)
             rec = {"step": "sq", "model": m, "preset": p, "rc": rc, "wall_s": round(wall, 1), "sq_src": args.sq_src}
             if rc != 0:
-                rec["result"] = "not in sq" if "invalid choice" in err and "--scheme" in err else "sq failed"
+                refused = rc == 2 and (("invalid choice" in err and "--scheme" in err) or f"scheme {p} " in err)
+                rec["result"] = "refused by sq" if refused else "sq failed"
                 rec["error"] = err
                 if rec["result"] == "sq failed":
                     bad += 1
@@ -171,17 +174,22 @@ def cmd_sq(args) -> int:
 
 def cmd_eval(args) -> int:
     env = sq_env(args.sq_src)
+    step = "eval" if args.dtype == "float32" else f"eval_{args.dtype}"
     for m in args.models:
         for p in args.presets:
-            ref = REF / f"{m}-{p}"
-            if not (ref / "llmc_run.json").exists():
+            ref = model_dir(m) if p == "FP" else REF / f"{m}-{p}"  # FP: the unquantized source
+            if p != "FP" and not (ref / "llmc_run.json").exists():
                 print(f"eval {m} {p}: no reference output, skipped")
                 continue
-            cmd = [str(SQ_PY), "-m", "sq.eval", "--model", str(ref)]
-            rc, wall, err = run_logged(cmd, LOGS / f"eval-{m}-{p}.log", env)
-            text = (LOGS / f"eval-{m}-{p}.log").read_text(errors="replace")
+            if args.dtype == "float32":
+                cmd = [str(SQ_PY), "-m", "sq.eval", "--model", str(ref)]
+            else:
+                cmd = [str(SQ_PY), str(BENCH / "peers" / "eval_dtype.py"), "--model", str(ref), "--dtype", args.dtype]
+            log = LOGS / f"{step}-{m}-{p}.log"
+            rc, wall, err = run_logged(cmd, log, env)
+            text = log.read_text(errors="replace")
             mm = re.search(r"^perplexity: ([\d.]+)", text, re.M)
-            rec = {"step": "eval", "model": m, "preset": p, "rc": rc, "wall_s": round(wall, 1),
+            rec = {"step": step, "model": m, "preset": p, "rc": rc, "wall_s": round(wall, 1),
                    "ppl": float(mm.group(1)) if mm else None, "sq_src": args.sq_src}
             if rc != 0 or not mm:
                 rec["error"] = err
@@ -203,23 +211,24 @@ def cmd_table(args) -> int:
     recs = latest()
     for m in args.models:
         print(f"\n### {m}\n")
-        print("| preset | llmc wall (s) | oneshot (s) | size (MB) | ppl (sq.eval) | sq vs llmc (RTN, g64) |")
-        print("|---|---:|---:|---:|---|---|")
+        print("| preset | llmc wall (s) | oneshot (s) | size (MB) | ppl (sq.eval, fp32) | ppl (bf16 load) | sq vs llmc (RTN, g64) |")
+        print("|---|---:|---:|---:|---|---:|---|")
         for p in args.presets:
-            ref, ev, sq = (recs.get((s, m, p)) for s in ("ref", "eval", "sq"))
-            if not (ref or ev or sq):
+            ref, ev, sq, eb = (recs.get((s, m, p)) for s in ("ref", "eval", "sq", "eval_bfloat16"))
+            if not (ref or ev or sq or eb):
                 continue
             wall = f"{ref['wall_s']:.0f}" if ref and ref["rc"] == 0 else ("failed: " + ref.get("error", "") if ref else "-")
             one = f"{ref['oneshot_s']:.1f}" if ref and ref["rc"] == 0 else "-"
             size = f"{ref['size_bytes'] / 1e6:.1f}" if ref and ref.get("size_bytes") else "-"
             ppl = (f"{ev['ppl']:.2f}" if ev and ev.get("ppl") else (f"load error: {ev.get('error', '')}" if ev else "-"))
+            bf = f"{eb['ppl']:.2f}" if eb and eb.get("ppl") else (f"error: {eb.get('error', '')}" if eb else "-")
             if sq is None:
                 cmp = "-"
             elif sq["result"] in ("identical tensors",) or "differ" in sq["result"]:
                 cmp = sq["result"] + (f"; config: {'; '.join(sq['config_material'])}" if sq.get("config_material") else "")
             else:
                 cmp = sq["result"]
-            print(f"| {p} | {wall} | {one} | {size} | {ppl} | {cmp} |")
+            print(f"| {p} | {wall} | {one} | {size} | {ppl} | {bf} | {cmp} |")
     return 0
 
 
@@ -230,6 +239,8 @@ def main() -> int:
     p.add_argument("--presets", default=",".join(PRESETS), type=lambda s: [x.upper() for x in s.split(",")])
     p.add_argument("--nsamples", type=int, default=128, help="(ref) calibration windows of 512 for FP8 / NVFP4")
     p.add_argument("--force", action="store_true", help="(ref) redo existing reference outputs")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="(eval) float32: python -m sq.eval; bfloat16: bench/peers/eval_dtype.py (model loaded in bf16)")
     p.add_argument("--sq-src", default=None, help="(sq, eval) directory put first on PYTHONPATH for sq")
     args = p.parse_args()
     return {"ref": cmd_ref, "sq": cmd_sq, "eval": cmd_eval, "table": cmd_table}[args.step](args)
