@@ -202,6 +202,9 @@ def test_refusals():
     bad.add_batch(torch.full((2, 32), float("inf")))
     with pytest.raises(SqError, match="non-finite"):
         bad.quantize(torch.randn(4, 32), get_scheme("W4A16", 32), name="l")
+    for preset in ("FP8_BLOCK", "FP8"):  # per-tensor / 2-D block scales: not GPTQ's per-row sweep
+        with pytest.raises(SqError, match=f"scheme {preset} has Per(Block|Tensor) scales"):
+            g.quantize(torch.randn(8, 96), get_scheme(preset), name="l")
     g.free()
     assert g.H is None
 

@@ -6,7 +6,7 @@
   whose logits match the source with the tuned weights the files hold;
 - 1 rank and 2 ranks agree (equal batch sizes, different samples per step): within the tolerance
   stated in the test;
-- refusals: float8 schemes, --ep > 1;
+- refusals: float8 schemes (fp4 NVFP4 / MXFP4 are tuned: tests/test_algos_formats.py), --ep > 1;
 - on the real demo model (SmolLM2-135M, bf16) the tuned blocks' loss drops.
 Resume (kill mid-block and between blocks, bit-identical) is in tests/test_resume.py.
 """
@@ -151,7 +151,7 @@ def test_one_rank_and_two_ranks_agree(checkpoints, runs):
 def test_refusals(runs):
     _, errors, _ = runs
     assert "--algo signround runs with --ep 1" in errors["no-ep"]
-    assert "tunes integer weights" in errors["no-fp8"] and "float8" in errors["no-fp8"]
+    assert "tunes integer and fp4" in errors["no-fp8"] and "FP8_DYNAMIC" in errors["no-fp8"] and "float8" in errors["no-fp8"]
 
 
 @pytest.mark.timeout(600)

@@ -13,10 +13,23 @@ per row too (groups run along ``in``).
 Numerics: the Hessian is accumulated in float64 -- per calibration sample ``x^T x`` in float32,
 summed in float64 -- so a sum over ranks (which split by samples) does not depend on the rank
 count beyond float64 rounding; it is factored in float64, and the column sweep runs
-in float32.  Scales are computed by :func:`sq.quant.rtn.compute_qparams` on the weights
-rounded to their storage dtype, so a GPTQ scale is exactly the one compressed-tensors
+in float32.  Scales are computed by the scheme's own format maths
+(:func:`sq.quant.primitives.choose_qparams` with the ``QuantSpec`` of ``formats.spec_for``) on the
+weights rounded to their storage dtype, so a GPTQ scale is exactly the one compressed-tensors
 would compute for those (error-updated) weights; the error that is propagated is the
 difference to the value a loader will reconstruct, ``(q - zp) * scale`` in that dtype.
+
+Formats: every scheme whose scales are per row -- per channel or per group along ``in`` --
+int (W4A16 ... W8A8, W4A8), FP8 per channel, the fp4 formats (NVFP4: e2m1 groups of 16,
+float8_e4m3fn group scales under one float32 global scale; MXFP4: groups of 32, e8m0
+power-of-two scales) and MXFP8.  The quantizer inside the sweep is the format's: its element
+rounding (fp4 e2m1, fp8), its scale type (fp8 / e8m0 rounding of each group scale) and
+NVFP4's global scale, which is a statistic of the whole weight -- the all-reduced
+``global_absmax`` (shared by fused partners) passed as ``stats``, fixed before the sweep --
+while the group scales under it are like any group scale: fixed up front from the weights with
+act-order / static groups (llm-compressor 0.14 takes every qparam, global scale included, from
+its observer before the sweep), else computed per group mid-sweep from the error-updated
+columns.  Per-tensor and 2-D block scales (FP8, FP8_BLOCK) are refused.
 
 To combine Hessians across ranks: all-reduce (SUM) ``gptq.H`` and ``gptq.nsamples``
 (or build the object with :meth:`GPTQ.from_hessian`) before calling ``quantize``.
@@ -35,6 +48,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +56,8 @@ import torch
 from torch import Tensor
 
 from sq.errors import SqError
-from sq.quant import rtn
+from sq.quant import primitives, rtn
+from sq.quant.formats import spec_for
 from sq.quant.settings import AlgoConfig, option
 from sq.quant.schemes import QuantScheme, check_group_size
 
@@ -91,8 +106,8 @@ class GPTQConfig(AlgoConfig):
 class GPTQResult:
     """Quantized rows of one weight, as data (nothing is applied to a module)."""
 
-    q: Tensor  # [rows, in] int8 (int schemes) or float8_e4m3fn
-    scale: Tensor  # [rows, n_groups] or [rows, 1], weight dtype
+    q: Tensor  # [rows, in] int8 (int schemes), float8_e4m3fn, or bf16 holding fp4 e2m1 values
+    scale: Tensor  # [rows, n_groups] or [rows, 1]: weight dtype (float32 under a global scale)
     zero_point: Tensor | None  # like scale, int8; None when symmetric
     weight: Tensor  # [rows, in] dequantized, weight dtype: what a loader reconstructs
     loss: float  # GPTQ's own objective, sum_j (w - q)^2 / Hinv_jj^2 / 2 (reference)
@@ -103,6 +118,9 @@ class GPTQResult:
     dead_columns: int  # input channels never active in calibration (zeroed)
     nsamples: int
     seconds: float
+    # NVFP4's float32 global scale: [1] for one weight; [n] when ``stats`` was a list of n row
+    # segments (stacked experts), one per segment; None for schemes without one
+    global_scale: Tensor | None = None
 
     def stats(self) -> dict[str, Any]:
         """The scalar part, for the report."""
@@ -218,6 +236,7 @@ class GPTQ:
         max_retries: int = 4,
         damp_growth: float = 10.0,
         name: str = "linear",
+        stats: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor] | None] | None = None,
     ) -> GPTQResult:
         """Quantize ``w [rows, in]`` (any subset of the layer's rows) against ``H``.
 
@@ -228,14 +247,25 @@ class GPTQ:
         never straddles a lazy-update block; the IST-DASLab code reads stale columns
         there).  Solving rows ``[a, b)`` alone reproduces those rows of the full solve
         (bit for bit on CPU in the tests; elsewhere up to BLAS kernel choice).
+
+        ``stats``: the weight's cross-row statistics, all-reduced over the ranks holding its rows
+        and shared by fused partners (``rtn.local_stats``; NVFP4's ``global_absmax``), when ``w``
+        is a shard; None: ``w`` is the whole weight.  A list of n of them: ``w`` stacks n weights
+        of equal height (experts solved against one Hessian), each quantized under its own.
         """
         cfg = GPTQConfig(blocksize, percdamp, actorder, static_groups, max_retries, damp_growth)
         t0 = time.perf_counter()
         self._check_solvable(w, name)
         check_group_size(name, self.in_features, scheme)
+        spec = spec_for(scheme)
+        if not isinstance(spec.granularity, (primitives.PerChannel, primitives.PerGroup)):
+            raise SqError(f"{name}: GPTQ solves per-channel and per-group scales; scheme {scheme.name} has "
+                          f"{type(spec.granularity).__name__} scales (use rtn for it)")
         rows, cols = w.shape
         wdtype = w.dtype
         dev = w.device
+        segs = _segments(w, spec, stats, name)  # [(row slice, stats)]: one per stacked weight
+        gscales = [_global_scale(st, spec, wdtype) for _, st in segs]
 
         prep = self._prepare(cfg, dev, name)
         dead, n_dead, H_err, perm, Hinv, damp = prep.dead, prep.n_dead, prep.H_err, prep.perm, prep.Hinv, prep.damp
@@ -246,10 +276,17 @@ class GPTQ:
         # storage dtype: for a layer without dead columns they equal RTN's exactly.
         fixed = scheme.strategy == "channel" or cfg.actorder or cfg.static_groups
         if fixed:
-            scale, zp = rtn.compute_qparams(W.to(wdtype), scheme)
+            scale, zp = _qparams(W.to(wdtype), spec, segs)
         else:
-            scale = torch.empty(rows, scheme.num_groups(cols), dtype=wdtype, device=dev)
+            sdtype = torch.promote_types(wdtype, torch.float32) if spec.global_scale else wdtype
+            scale = torch.empty(rows, scheme.num_groups(cols), dtype=sdtype, device=dev)
             zp = None if scheme.symmetric else torch.empty(scale.shape, dtype=torch.int8, device=dev)
+        # a column's effective scale is scale / global scale (the library's quantize and
+        # dequantize divide first, in float32): one global scale per row
+        gs_rows = None
+        if spec.global_scale:
+            gs_rows = torch.cat([g.expand(sl.stop - sl.start) for (sl, _), g in zip(segs, gscales)]).to(dev)
+        group_spec = dataclasses.replace(spec, granularity=primitives.PerChannel())  # one group, per row
         if perm is not None:
             W = W[:, perm]
 
@@ -275,6 +312,8 @@ class GPTQ:
         Qt = torch.empty(cols, rows, dtype=scheme.storage_dtype, device=dev)
         # per-group scale / zero point as contiguous float32 rows: [n_groups, rows]
         scale_t = scale.T.to(torch.float32).contiguous()
+        if gs_rows is not None:
+            scale_t = scale_t / gs_rows
         zp_t = None if zp is None else zp.T.to(torch.float32).contiguous()
         losses = torch.zeros(rows, dtype=torch.float32, device=dev)
         for i1 in range(0, cols, bs):
@@ -290,11 +329,9 @@ class GPTQ:
                 if not fixed and j % scheme.group_size == 0:
                     # compressed-tensors' scales of this group's current (error-updated)
                     # weights: [group, rows] -> [rows, 1]
-                    s, z = rtn.compute_qparams(
-                        W1[i : i + scheme.group_size].to(wdtype).T.contiguous(), _channel(scheme)
-                    )
+                    s, z = _qparams(W1[i : i + scheme.group_size].to(wdtype).T.contiguous(), group_spec, segs)
                     scale[:, g : g + 1] = s
-                    scale_t[g] = s[:, 0]
+                    scale_t[g] = s[:, 0] if gs_rows is None else s[:, 0].to(torch.float32) / gs_rows
                     if zp is not None:
                         zp[:, g : g + 1] = z
                         zp_t[g] = z[:, 0]
@@ -302,7 +339,8 @@ class GPTQ:
                 z32 = None if zp_t is None else zp_t[g]
                 w_col = W1[i]
                 # float32 copies of the scale give the same bits as the stored dtype: the
-                # library promotes it to float32 for this division anyway
+                # library promotes it to float32 for this division anyway (NVFP4: scale /
+                # global scale, which the library computes in float32 first, is s32)
                 q = rtn.quantize_values(w_col, s32, z32, scheme)
                 Qt[j] = q
                 # (q - zp) * scale is exact in float32; one rounding to the weight dtype
@@ -327,7 +365,10 @@ class GPTQ:
 
         if perm is not None:
             Q = Q[:, torch.argsort(perm)]
-        weight = rtn.dequantize(Q, scale, zp, scheme)
+        weight = torch.cat([
+            rtn.dequantize(Q[sl], scale[sl], None if zp is None else zp[sl], scheme, global_scale=g)
+            for (sl, _), g in zip(segs, gscales)
+        ]).to(wdtype) if len(segs) > 1 else rtn.dequantize(Q, scale, zp, scheme, global_scale=gscales[0]).to(wdtype)
 
         loss = float(losses.sum())
         rel_err = _relative_error(w, weight, dead, H_err, loss, damp)
@@ -345,6 +386,7 @@ class GPTQ:
             dead_columns=n_dead,
             nsamples=self.nsamples,
             seconds=time.perf_counter() - t0,
+            global_scale=torch.cat(gscales) if spec.global_scale else None,
         )
 
 
@@ -378,9 +420,48 @@ def _relative_error(w: Tensor, weight: Tensor, dead: Tensor, H_err: Tensor, loss
     return math.sqrt(num / den) if den > 0 else 0.0
 
 
-def _channel(scheme: QuantScheme) -> QuantScheme:
-    """The scheme restricted to one group, as a per-row ('channel') computation."""
-    return dataclasses.replace(scheme, strategy="channel", group_size=None, activations="none")
+def _segments(w: Tensor, spec: primitives.QuantSpec, stats, name: str) -> list[tuple[slice, dict | None]]:
+    """``w``'s row segments and the cross-row statistics each is quantized under: one segment
+    (the whole ``w``) for a mapping or None, n equal ones for a list of n.  Without statistics a
+    scheme with a global scale reads it from its segment (which is then its whole weight)."""
+    rows = w.shape[0]
+    parts = list(stats) if isinstance(stats, (list, tuple)) else [stats]
+    if not parts or rows % len(parts):
+        raise SqError(f"{name}: {rows} rows do not split into {len(parts)} stacked weights")
+    h = rows // len(parts)
+    need = primitives.cross_row_stats(spec)
+    out = []
+    for i, st in enumerate(parts):
+        sl = slice(i * h, (i + 1) * h)
+        if need:
+            if st is None:
+                st = {k: primitives.local_stat(w[sl], spec, k) for k in need}
+            elif set(need) - set(st):
+                raise SqError(f"{name}: statistics {sorted(set(need) - set(st))} missing for scheme {spec}")
+            st = {k: st[k] for k in need}
+        else:
+            st = None
+        out.append((sl, st))
+    return out
+
+
+def _global_scale(stats: Mapping[str, Tensor] | None, spec: primitives.QuantSpec, wdtype: torch.dtype) -> Tensor | None:
+    """NVFP4's global scale from the (all-reduced) ``global_absmax``, as ``choose_qparams``
+    computes it for a weight of ``wdtype`` (float32 ``[1]``); None without one."""
+    if not spec.global_scale:
+        return None
+    absmax = stats["global_absmax"].to(wdtype)
+    return primitives.global_scale(absmax, spec.qtype, spec.scale_dtype or torch.float8_e4m3fn)
+
+
+def _qparams(x: Tensor, spec: primitives.QuantSpec, segs) -> tuple[Tensor, Tensor | None]:
+    """``(scale, zero_point)`` of ``x [rows, k]`` (rows as ``w``'s) under ``spec``, each row
+    segment under its own statistics: the format's ``choose_qparams``, exactly."""
+    qps = [primitives.choose_qparams(x[sl], spec, stats=st) for sl, st in segs]
+    if len(qps) == 1:
+        return qps[0].scale, qps[0].zero_point
+    zp = None if qps[0].zero_point is None else torch.cat([q.zero_point for q in qps])
+    return torch.cat([q.scale for q in qps]), zp
 
 
 def _inverse_cholesky(H: Tensor, cfg: GPTQConfig, name: str) -> tuple[Tensor, float, int]:

@@ -13,7 +13,17 @@ parameter  shape                    range                   start
 
 and quantizes ``q = clamp(round(W / s + v) + zp)`` with ``s`` (and ``zp``) from the clipped range
 ``(alpha * min, beta * max)`` by the same formulas as RTN (``sq.quant.rtn``), rounding through the
-straight-through estimator.  With ``v = 0, alpha = beta = 1`` it is RTN.  The loss is the MSE
+straight-through estimator.  With ``v = 0, alpha = beta = 1`` it is RTN.
+
+fp4 formats (NVFP4: e2m1 groups of 16, float8_e4m3fn group scales under one float32 global
+scale; MXFP4: groups of 32, e8m0 power-of-two scales) are tuned the same way, as auto-round tunes
+them: ``v`` perturbs ``W / s`` in fp4 units before the e2m1 rounding, and the clipped range sets
+the group scale, which the format's own maths computes (``primitives.choose_qparams``: the fp8 or
+power-of-two rounding of the scale, the global scale of the all-reduced ``global_absmax`` -- the
+same one RTN, GPTQ and every rank use, shared by fused partners).  The forward carries those exact
+values; gradients pass the two roundings (scale and element) straight through, the scale's as
+``absmax * global_scale / 6`` (NVFP4) or ``absmax / 4`` (MX).  Again ``v = 0, alpha = beta = 1`` is
+RTN, bit for bit.  fp8 elements are not tuned (refused by the handler).  The loss is the MSE
 between the block's output with the quantized weights on the quantized chain's inputs and the
 full-precision block's output on the full-precision chain's inputs; the parameters take signed
 gradient steps (``lr`` defaults to ``1 / iters``, decaying linearly to 0) and the parameters of
@@ -33,8 +43,11 @@ is redone bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,12 +56,13 @@ from torch import Tensor
 
 from sq.parallel.collectives import all_gather_rows_autograd
 from sq.quant.settings import AlgoConfig, option
-from sq.quant import rtn
+from sq.quant import primitives, rtn
+from sq.quant.formats import required_reductions, spec_for
 from sq.quant.schemes import QuantScheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SignRoundConfig", "Slot", "tune_block", "tuned_qdq", "tuned_quantize"]
+__all__ = ["SignRoundConfig", "Slot", "tunable", "tune_block", "tuned_qdq", "tuned_quantize", "tuned_global_scale"]
 
 
 @dataclass(frozen=True)
@@ -100,8 +114,77 @@ def _scale(wmin: Tensor, wmax: Tensor, scheme: QuantScheme) -> Tensor:
     return (wmax - wmin) / span
 
 
-def tuned_qdq(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme) -> Tensor:
-    """Differentiable quantize-dequantize of ``w`` (float32) with the tuned parameters."""
+def tunable(scheme: QuantScheme) -> bool:
+    """Schemes SignRound tunes: integer weights, and fp4 (NVFP4, MXFP4) group-wise weights."""
+    if scheme.type == "int":
+        return True
+    spec = spec_for(scheme)
+    return spec.qtype == primitives.FP4_E2M1 and isinstance(spec.granularity, primitives.PerGroup)
+
+
+def _fp4(scheme: QuantScheme) -> bool:
+    return scheme.type == "float"
+
+
+def _fp4_scales(wmin: Tensor, wmax: Tensor, scheme: QuantScheme, stats, dtype: torch.dtype):
+    """The format's exact group scales for clipped ranges ``(wmin, wmax)`` ``[..., out, groups]`` of a
+    weight of ``dtype``: ``(scale [..., out, groups], global scale)``.  ``choose_qparams`` itself, fed
+    each group's range as a group of two values ``(min, max)`` (its range, 0 included, is that pair);
+    ``stats``: the weight's all-reduced statistics (a list, one per expert, for ``[E, out, groups]``).
+    The global scale is ``[1]`` (``[E, 1, 1]`` for experts) or None."""
+    spec = dataclasses.replace(spec_for(scheme), granularity=primitives.PerGroup(2))
+    pairs = torch.stack([wmin, wmax], -1).flatten(-2).to(dtype)  # [..., out, 2 * groups]
+    if pairs.ndim == 2:
+        qp = primitives.choose_qparams(pairs, spec, stats=stats)
+        return qp.scale, qp.global_scale
+    qps = [primitives.choose_qparams(pairs[i], spec, stats=stats[i] if stats is not None else None)
+           for i in range(pairs.shape[0])]
+    gs = torch.stack([q.global_scale for q in qps]).view(-1, 1, 1) if spec.global_scale else None
+    return torch.stack([q.scale for q in qps]), gs
+
+
+def _fp4_proxy(wmin: Tensor, wmax: Tensor, scheme: QuantScheme, gs: Tensor | None) -> Tensor:
+    """A differentiable stand-in for the group scale (the value without its rounding)."""
+    amax = torch.maximum(-wmin, wmax)
+    qmax = scheme.qmax
+    if gs is not None:  # NVFP4: scale = global * absmax / 6, rounded to fp8
+        return gs * amax / qmax
+    return amax / 2.0 ** math.floor(math.log2(qmax))  # MX: a power of two near absmax / 4
+
+
+def _local_stats(w: Tensor, scheme: QuantScheme):
+    """Statistics of ``w`` as the whole weight (no all-reduced ones given): ``[..., out, in]``."""
+    if not required_reductions(scheme):
+        return None
+    if w.ndim == 2:
+        return rtn.local_stats(w, scheme)
+    return [rtn.local_stats(w[i], scheme) for i in range(w.shape[0])]
+
+
+def _fp4_qdq(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme, stats,
+             dtype: torch.dtype) -> Tensor:
+    wg = _grouped(w, scheme)
+    wmin, wmax = _range(wg, alpha, beta)
+    sc, gs = _fp4_scales(wmin.detach(), wmax.detach(), scheme, stats, dtype)
+    p = _fp4_proxy(wmin, wmax, scheme, gs)
+    scale = sc.to(torch.float32) + (p - p.detach())  # the exact value, the proxy's gradient
+    eff = (scale if gs is None else scale / gs).unsqueeze(-1)  # the library divides by scale / global
+    x = torch.clamp(wg / eff + _grouped(v, scheme), scheme.qmin, scheme.qmax)
+    q = primitives.round_to_e2m1(x.detach()) + (x - x.detach())
+    return (q * eff).flatten(-2)
+
+
+def tuned_qdq(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme, *, stats=None,
+              dtype: torch.dtype | None = None) -> Tensor:
+    """Differentiable quantize-dequantize of ``w`` (float32) with the tuned parameters.
+
+    fp4 schemes: ``stats`` are the weight's all-reduced statistics (NVFP4's ``global_absmax``;
+    default: ``w`` is the whole weight) and ``dtype`` the weight's own (default ``w.dtype``), in
+    which the format computes its scales."""
+    if _fp4(scheme):
+        if stats is None:
+            stats = _local_stats(w, scheme)
+        return _fp4_qdq(w, v, alpha, beta, scheme, stats, dtype or w.dtype)
     wg = _grouped(w, scheme)
     wmin, wmax = _range(wg, alpha, beta)
     scale = _scale(wmin, wmax, scheme).clamp(min=torch.finfo(torch.bfloat16).eps).unsqueeze(-1)
@@ -115,12 +198,16 @@ def tuned_qdq(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantSc
 
 
 @torch.no_grad()
-def tuned_quantize(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme):
+def tuned_quantize(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme, *, stats=None):
     """The checkpoint form of the tuned quantization of ``w [rows, in]``: ``(q, scale, zp, dequantized)``.
 
-    ``scale`` is in ``w.dtype`` (as RTN's) and the dequantized weight is exactly what a loader
-    reconstructs from ``(q, scale, zp)`` (``rtn.dequantize``).
+    ``scale`` is in ``w.dtype`` (as RTN's; float32 under NVFP4's global scale) and the dequantized
+    weight is exactly what a loader reconstructs from ``(q, scale, zp)`` (``rtn.dequantize``).
+    ``stats``: fp4 schemes' all-reduced statistics (default: ``w`` is the whole weight); the global
+    scale they give is :func:`tuned_global_scale`.
     """
+    if _fp4(scheme):
+        return _fp4_quantize(w, v, alpha, beta, scheme, stats if stats is not None else _local_stats(w, scheme))[:4]
     wg = _grouped(w.float(), scheme)
     wmin, wmax = _range(wg, alpha, beta)
     scale = _scale(wmin, wmax, scheme).to(w.dtype)
@@ -136,6 +223,29 @@ def tuned_quantize(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: Qu
     return q, scale, zp, rtn.dequantize(q, scale, zp, scheme).to(w.dtype)
 
 
+def _fp4_quantize(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantScheme, stats):
+    """``(q, scale, None, dequantized, global scale)`` of ``w [rows, in]`` (fp4 schemes)."""
+    wg = _grouped(w.float(), scheme)
+    wmin, wmax = _range(wg, alpha, beta)
+    scale, gs = _fp4_scales(wmin, wmax, scheme, stats, w.dtype)
+    eff = scale.to(torch.float32)
+    if gs is not None:
+        eff = eff / gs
+    vg = _grouped(v, scheme)
+    x = wg / eff.unsqueeze(-1)
+    x = torch.where(vg != 0, x + vg, x)  # (x + 0 would turn a -0.0 into +0.0: RTN keeps the sign)
+    q = primitives.round_to_e2m1(torch.clamp(x, scheme.qmin, scheme.qmax)).flatten(-2).to(scheme.storage_dtype)
+    deq = rtn.dequantize(q, scale, None, scheme, global_scale=gs).to(w.dtype)
+    return q, scale, None, deq, gs
+
+
+def tuned_global_scale(w: Tensor, scheme: QuantScheme, stats=None) -> Tensor | None:
+    """The global scale :func:`tuned_quantize` quantizes ``w [rows, in]`` under (None without one)."""
+    if not spec_for(scheme).global_scale:
+        return None
+    return rtn.qparams(w, scheme, stats=stats if stats is not None else _local_stats(w, scheme)).global_scale
+
+
 # ---------------------------------------------------------------- distribution
 
 
@@ -149,9 +259,21 @@ class Slot:
     scheme: QuantScheme
     local: Tensor  # this rank's shard (a view of FSDP2's sharded storage)
     counts: list[int]  # dim-0 shard sizes of every rank
+    # the weight's all-reduced cross-row statistics (NVFP4's global_absmax), one dict per local
+    # expert for a fused expert tensor; None: none needed (or the shard is the whole weight)
+    stats: Any = None
+    global_scale: Any = field(init=False, default=None)  # [1] (a list per local expert) or None
 
     def __post_init__(self):
         w = self.local.float()
+        if _fp4(self.scheme) and self.stats is None:
+            self.stats = _local_stats(self.local, self.scheme)
+        if spec_for(self.scheme).global_scale:
+            if self.local.ndim == 2:
+                self.global_scale = tuned_global_scale(self.local, self.scheme, self.stats)
+            else:
+                self.global_scale = [tuned_global_scale(self.local[i], self.scheme, self.stats[i])
+                                     for i in range(self.local.shape[0])]
         groups = _grouped(w, self.scheme).shape[:-1]
         self.v = torch.zeros_like(w, requires_grad=True)
         self.alpha = torch.ones(groups, dtype=torch.float32, device=w.device, requires_grad=True)
@@ -164,7 +286,8 @@ class Slot:
         return [self.v, self.alpha, self.beta]
 
     def full_qdq(self) -> Tensor:
-        local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme).to(self.local.dtype)
+        local = tuned_qdq(self.w32, self.v, self.alpha, self.beta, self.scheme, stats=self.stats,
+                          dtype=self.local.dtype).to(self.local.dtype)
         return all_gather_rows_autograd(local, self.counts)  # [sum(counts), ...] on every rank
 
     def keep_best(self) -> None:
@@ -182,8 +305,9 @@ class Slot:
         v, a, b = self.best if self.best is not None else [p.detach() for p in self.params]
         w = self.local
         if w.ndim == 2:
-            return tuned_quantize(w, v, a, b, self.scheme)
-        parts = [tuned_quantize(w[i], v[i], a[i], b[i], self.scheme) for i in range(w.shape[0])]
+            return tuned_quantize(w, v, a, b, self.scheme, stats=self.stats)
+        parts = [tuned_quantize(w[i], v[i], a[i], b[i], self.scheme, stats=self.stats[i] if self.stats else None)
+                 for i in range(w.shape[0])]
         return tuple(torch.stack(t) if t[0] is not None else None for t in zip(*parts)) if parts else None
 
 

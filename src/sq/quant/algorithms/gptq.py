@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 
 from sq.anatomy import decoder_blocks, is_experts_module
+from sq.errors import SqError
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
-from sq.quant.experts import ExpertCalibration
+from sq.quant.experts import ExpertCalibration, local_experts
 from sq.quant.forward import block_forward
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.quant.recipe import scheme_tag
@@ -16,6 +17,9 @@ from sq.quant.recipe import scheme_tag
 # Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
 # a sweep holds a few copies of them).  Larger stacks amortize the per-column loop further.
 EXPERT_STACK_ELEMS = 1 << 24
+# scheme strategies GPTQ solves: a row's scales depend on that row alone (NVFP4's global scale
+# is the all-reduced statistic the pipeline's reduce stage hands over)
+SOLVABLE = ("group", "channel", "tensor_group")
 
 
 class Counting:
@@ -62,17 +66,19 @@ class GPTQAlgorithm(Algorithm):
     error_metric = "output (through H)"
 
     def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
-        """GPTQ's column sweep recomputes group scales from plain per-row min/max: schemes whose scales
-        need more (a global scale, fp8/e8m0 scale types, per-tensor or 2-D blocks) are refused."""
+        """GPTQ's column sweep quantizes each row against scales of that row: per-channel and per-group
+        schemes (int, FP8 per channel, NVFP4 under its all-reduced global scale, MXFP4/MXFP8) are
+        solved; per-tensor and 2-D block scales (FP8, FP8_BLOCK) are refused."""
         bad = set()
         for prefix, block in decoder_blocks(model):
             for n, m in block.named_modules():
                 if isinstance(m, torch.nn.Linear) or is_experts_module(m):
                     s = assigner.assign(f"{prefix}.{n}")
-                    if s is not None and (s.strategy not in ("group", "channel") or s.scale_dtype is not None):
-                        bad.add(scheme_tag(s))
-        return [f"--algo gptq solves integer and FP8 channel/group schemes; {t} is not supported by it yet "
-                "(use --algo rtn for it)" for t in sorted(bad)]
+                    if s is not None and s.strategy not in SOLVABLE:
+                        bad.add((s.name, scheme_tag(s), s.strategy))
+        return [f"--algo gptq solves per-channel and per-group schemes (integer, FP8 per channel, NVFP4, MXFP4, "
+                f"MXFP8); scheme {n} ({t}) has {'per-tensor' if st == 'tensor' else '2-D block'} scales, which "
+                "it does not support (use --algo rtn for it)" for n, t, st in sorted(bad)]
 
     def observe(self, work: BlockWork) -> None:
         """Dense Linears: Hessians summed over every rank's tokens; experts: at their owner."""
@@ -90,17 +96,35 @@ class GPTQAlgorithm(Algorithm):
         work.state["counting"] = counting
         work.state["calibs"] = {id(c.experts): c for c in calibs}
 
-    def _rows(self, g: GPTQ | None, w: torch.Tensor, scheme, name: str) -> Solved:
+    def _rows(self, g: GPTQ | None, w: torch.Tensor, scheme, name: str, stats=None, row_offset: int = 0) -> Solved:
+        """``stats``: the weight's all-reduced cross-row statistics (a list: one per stacked weight)."""
         if g is None or not w.shape[0]:
-            return rtn_rows(w, scheme)
-        r = g.quantize(w, scheme, name=name, **self.config.to_dict())
-        return Solved(r.q, r.scale, r.zero_point, r.weight.to(w.dtype), H=g.H)
+            return rtn_rows(w, scheme, stats, row_offset)
+        r = g.quantize(w, scheme, name=name, stats=stats, **self.config.to_dict())
+        return Solved(r.q, r.scale, r.zero_point, r.weight.to(w.dtype), H=g.H, global_scale=r.global_scale)
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         g = work.state["counting"].get(linear.name)
-        solved = self._rows(g, w, linear.scheme, linear.name)
+        solved = self._rows(g, w, linear.scheme, linear.name, work.stats.get(linear.name),
+                            work.row_offset.get(linear.name, 0))
         solved.H = g.H if g is not None else None
         return solved
+
+    @staticmethod
+    def _expert_stats(work, eprefix, ex, pname, e):
+        """Expert ``e``'s all-reduced statistics of ``pname`` (None: none needed).  The pipeline keeps
+        them as row segments of ``param[e]`` (``sq.quant.experts.SlotStats``); the schemes GPTQ
+        solves have at most a global scale, whose one segment covers every row."""
+        stats = work.stats.get((eprefix, pname))
+        if not stats:
+            return None
+        st = stats[e - local_experts(ex).start]
+        if isinstance(st, (list, tuple)):
+            if len(st) != 1:
+                raise SqError(f"{eprefix}.{e}.{pname}: GPTQ expects one statistics segment per expert "
+                              f"(a global scale), got {len(st)}")
+            st = st[0].stats
+        return st
 
     def solve_expert(self, work, eprefix, ex, pname, e, w, scheme) -> Solved:
         calib = work.state["calibs"].get(id(ex))
@@ -109,7 +133,7 @@ class GPTQAlgorithm(Algorithm):
             g = None
             if pname == "gate_up_proj":
                 work.expert_fallback.append(f"{eprefix}.{e}")
-        return self._rows(g, w, scheme, f"{eprefix}.{e}.{pname}")
+        return self._rows(g, w, scheme, f"{eprefix}.{e}.{pname}", self._expert_stats(work, eprefix, ex, pname, e))
 
     def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
         calib = work.state["calibs"].get(id(ex))
@@ -118,18 +142,22 @@ class GPTQAlgorithm(Algorithm):
             return super().solve_experts(work, eprefix, ex, pname, local, first, scheme)
         # One Hessian for every expert (calibrate-all): GPTQ's rows are independent given it, so
         # the experts' rows are solved stacked, a few experts per sweep, instead of one column
-        # loop per expert (same bits; see EXPERT_STACK_ELEMS).
+        # loop per expert (same bits; see EXPERT_STACK_ELEMS).  Each expert keeps its own
+        # statistics (NVFP4: its own global scale).
         n, rows, cols = local.shape
         per = max(1, EXPERT_STACK_ELEMS // (rows * cols))
         out = []
         for a in range(0, n, per):
             b = min(n, a + per)
             w = local[a:b].detach().reshape(-1, cols).clone()  # [(b - a) * rows, cols]
-            s = self._rows(shared, w, scheme, f"{eprefix}.{first + a}-{first + b - 1}.{pname}")
+            stats = [self._expert_stats(work, eprefix, ex, pname, first + i) for i in range(a, b)]
+            s = self._rows(shared, w, scheme, f"{eprefix}.{first + a}-{first + b - 1}.{pname}",
+                           stats if any(st is not None for st in stats) else None)
             zs = s.zero_point.view(b - a, rows, -1).unbind(0) if s.zero_point is not None else [None] * (b - a)
-            out += [Solved(q, sc, z, d) for q, sc, z, d in zip(s.q.view(b - a, rows, -1).unbind(0),
-                                                              s.scale.view(b - a, rows, -1).unbind(0), zs,
-                                                              s.deq.view(b - a, rows, cols).unbind(0))]
+            gs = s.global_scale.split(1) if s.global_scale is not None else [None] * (b - a)
+            out += [Solved(q, sc, z, d, global_scale=g)
+                    for q, sc, z, d, g in zip(s.q.view(b - a, rows, -1).unbind(0), s.scale.view(b - a, rows, -1).unbind(0),
+                                              zs, s.deq.view(b - a, rows, cols).unbind(0), gs)]
         return out
 
     def release(self, work: BlockWork) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register
 from sq.quant.recipe import scheme_tag
 from sq.parallel.collectives import dim0_counts
 from sq.parallel.fsdp import unsharded
-from sq.quant.signround import SignRoundConfig, Slot, tune_block
+from sq.quant.signround import SignRoundConfig, Slot, tunable, tune_block
 
 
 @register
@@ -28,9 +29,10 @@ class SignRoundAlgorithm(Algorithm):
         for prefix, block in decoder_blocks(model):
             names = [f"{prefix}.{n}" for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
             names += [f"{prefix}.{n}" for n, _ in experts_modules(block)]
-            floats = {scheme_tag(s) for s in map(assigner.assign, names) if s is not None and s.type != "int"}
+            floats = {f"{s.name} ({scheme_tag(s)})" for s in map(assigner.assign, names)
+                      if s is not None and not tunable(s)}
             if floats:
-                problems.append(f"--algo signround tunes integer weights; {prefix} is assigned "
+                problems.append(f"--algo signround tunes integer and fp4 (NVFP4, MXFP4) weights; {prefix} is assigned "
                                 f"{', '.join(sorted(floats))} (quantize float8 layers in another run, or with rtn/gptq)")
                 break
         return problems
@@ -40,13 +42,14 @@ class SignRoundAlgorithm(Algorithm):
         for lin in work.linears:
             local, _ = local_box(lin.module.weight)
             slots[lin.name] = Slot(lin.name, lin.module, "weight", lin.scheme, local,
-                                   dim0_counts(lin.module.out_features, work.world))
+                                   dim0_counts(lin.module.out_features, work.world), work.stats.get(lin.name))
         for eprefix, ex, scheme in work.experts:
             for pname in EXPERT_PARAMS:
                 p = ex._parameters[pname]
                 local, _ = local_box(p)
                 slots[f"{eprefix}.{pname}"] = Slot(f"{eprefix}.{pname}", ex, pname, scheme, local,
-                                                   dim0_counts(p.shape[0], work.world))
+                                                   dim0_counts(p.shape[0], work.world),
+                                                   _expert_stats(work.stats.get((eprefix, pname))))
         work.state["slots"] = slots
         if slots and self.config.iters:
             with unsharded(work.block):
@@ -54,14 +57,34 @@ class SignRoundAlgorithm(Algorithm):
                                                   work.nsamples, self.config, work.seed, work.index)
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
-        return Solved(*work.state["slots"][linear.name].result())
+        slot = work.state["slots"][linear.name]
+        return Solved(*slot.result(), global_scale=slot.global_scale)
 
     def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
-        res = work.state["slots"][f"{eprefix}.{pname}"].result()  # tuned per local expert already
+        slot = work.state["slots"][f"{eprefix}.{pname}"]
+        res = slot.result()  # tuned per local expert already
         if res is None:
             return []
         q, scale, zp, deq = res
-        return [Solved(q[i], scale[i], zp[i] if zp is not None else None, deq[i]) for i in range(q.shape[0])]
+        gs = slot.global_scale or [None] * q.shape[0]
+        return [Solved(q[i], scale[i], zp[i] if zp is not None else None, deq[i], global_scale=gs[i])
+                for i in range(q.shape[0])]
 
     def block_report(self, work: BlockWork) -> dict | None:
         return work.state.get("tuning")
+
+
+def _expert_stats(per_expert):
+    """Each local expert's all-reduced statistics as one dict (None: none needed).  The pipeline keeps
+    them as row segments of ``param[e]`` (``sq.quant.experts.SlotStats``); the schemes SignRound
+    tunes have at most a global scale, whose one segment covers every row."""
+    if not per_expert:
+        return None
+    out = []
+    for st in per_expert:
+        if isinstance(st, (list, tuple)):
+            if len(st) != 1:
+                raise SqError(f"--algo signround expects one statistics segment per expert, got {len(st)}")
+            st = st[0].stats
+        out.append(st)
+    return out
