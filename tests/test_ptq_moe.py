@@ -158,7 +158,7 @@ def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(sch
     work = BlockWork(0, "", nn.Module(), [], [], [], [], 0, None, torch.device("cpu"), 0, 1, 1, 0, True,
                      state={"calibs": {id(ex): calib}})
     names, real = [], alg._rows
-    monkeypatch.setattr(alg, "_rows", lambda g, w, sc, name: names.append(name) or real(g, w, sc, name))
+    monkeypatch.setattr(alg, "_rows", lambda g, w, sc, name, *a, **k: names.append(name) or real(g, w, sc, name, *a, **k))
     got = {p: alg.solve_experts(work, "mlp.experts", ex, p, ex._parameters[p], 0, s) for p in ("gate_up_proj", "down_proj")}
     assert work.expert_fallback == []
     assert [n for n in names if "gate_up" in n] == [f"mlp.experts.{r}.gate_up_proj" for r in ("0-2", "3-5", "6-7")]

@@ -76,7 +76,7 @@ def _activation_tensors(scheme: QuantScheme, given: Mapping[str, Tensor] | None,
             raise SqError(f"{name} must be {spec.dtype} {spec.shape}, got {t.dtype} {tuple(t.shape)}")
         if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
             raise SqError(f"{name} must be finite and positive, got {t.tolist()}")
-    return {k: v.contiguous() for k, v in given.items()}
+    return {k: v.clone() for k, v in given.items()}  # partners (gate/up) read one input: never share storage
 
 
 def compressed_names(scheme: QuantScheme) -> tuple[str, ...]:
@@ -142,8 +142,10 @@ def decompress_weight(tensors: Mapping[str, Tensor], scheme: QuantScheme) -> Ten
     return format_for(scheme).decompress(tensors, scheme)
 
 
-def quantization_config(groups: Mapping[QuantScheme, Sequence[str]], ignore: Sequence[str]) -> dict:
-    """``config.json``'s ``quantization_config`` for ``{scheme: targets}`` and ``ignore``.
+def quantization_config(groups: Mapping[QuantScheme, Sequence[str]], ignore: Sequence[str], *,
+                        kv_cache_scheme=None) -> dict:
+    """``config.json``'s ``quantization_config`` for ``{scheme: targets}`` and ``ignore``
+    (``kv_cache_scheme``: the library's ``QuantizationArgs`` of a calibrated KV cache, or None).
 
     Built with compressed-tensors' ``QuantizationConfig`` (one config group per scheme,
     ``format`` per group and overall -- ``mixed-precision`` when the groups differ --,
@@ -174,6 +176,7 @@ def quantization_config(groups: Mapping[QuantScheme, Sequence[str]], ignore: Seq
         format=fmt,
         quantization_status=QuantizationStatus.COMPRESSED,
         ignore=list(ignore),
+        kv_cache_scheme=kv_cache_scheme,
     )
     return {
         COMPRESSION_VERSION_NAME: compressed_tensors.__version__,

@@ -25,6 +25,7 @@ from sq.files import sha256_bytes
 from sq.load.loader import plan_load
 from sq.load.meta import build_skeleton
 from sq.parallel.fsdp import apply_parallel
+from sq.quant.activations import KV_CACHE_SCHEMES, observes_activations
 from sq.quant.algorithms import AlgoConfig, algo_config, make_algorithm
 from sq.quant.gptq import GPTQConfig
 from sq.quant.pipeline import raise_all, run_pipeline
@@ -57,6 +58,7 @@ class PTQConfig:
     timeout_s: float = 600.0
     ep: int = 1
     resume: str = "auto"  # auto | never | require
+    kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
@@ -88,6 +90,8 @@ class PTQConfig:
             v = getattr(self, flag)
             if v <= 0:
                 out.append(f"--{flag} must be positive, got {v}")
+        if self.kv_cache not in KV_CACHE_SCHEMES:
+            out.append(f"--kv-cache must be one of {', '.join(KV_CACHE_SCHEMES)}, got {self.kv_cache!r}")
         if not 0 < self.timeout_s < float("inf"):  # NaN fails too; the collective timeout is a timedelta
             out.append(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         for pat in self.ignore:
@@ -101,9 +105,19 @@ class PTQConfig:
             out += e.problems
         return out
 
-    @property
-    def calibrated(self) -> bool:
-        return make_algorithm(self.algo).calibrated
+    def data_reason(self, assigner) -> str | None:
+        """Why the job reads calibration data (None: it does not): a data-driven algorithm, a scheme
+        with static activation scales, or a calibrated KV cache."""
+        if make_algorithm(self.algo).calibrated:
+            return f"--algo {self.algo.name}"
+        if observes_activations(assigner):
+            return "static activation scales (FP8 input_scale, NVFP4 input_global_scale)"
+        if self.kv_cache != "none":
+            return f"--kv-cache {self.kv_cache}"
+        return None
+
+    def needs_data(self, assigner) -> bool:
+        return self.data_reason(assigner) is not None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -155,8 +169,8 @@ def quantize_model(cfg: PTQConfig) -> dict:
     plan = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
     weights = CheckpointWeights(model, plan, src, device)
     text = tokenizer = None
-    if cfg.calibrated:  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
-        tokenizer = load_tokenizer(src, model, purpose=f"--algo {cfg.algo.name} tokenizes its calibration data with it",
+    if cfg.needs_data(assigner):  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
+        tokenizer = load_tokenizer(src, model, purpose=f"{cfg.data_reason(assigner)} calibrates on data tokenized with it",
                                    trust_remote_code=cfg.trust_remote_code)  # auto_map: refused by plan_load unless allowed
         text = read_corpus_dist(cfg.dataset).text(tokenizer)
 

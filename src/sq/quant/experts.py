@@ -42,13 +42,15 @@ class ExpertSlot:
     ckpt_prefix: str  # e.g. "model.layers.1.mlp.experts.3.gate_proj." (+ "weight_packed", ...)
 
 
-def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]) -> list[ExpertSlot]:
+def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]] | None) -> list[ExpertSlot]:
     """Checkpoint-layout names of every expert projection, from the key map's boxes.
 
     A per-expert source (``experts.{e}.gate_proj.weight``, Mixtral's ``w1/w3/w2``) names its own
-    boxes; a fused source gets transformers' per-expert layout (``gate_proj`` / ``up_proj`` /
-    ``down_proj``), which is what vLLM's per-expert loaders read.
+    boxes; a fused source (or a model in memory: ``pieces`` None) gets transformers' per-expert
+    layout (``gate_proj`` / ``up_proj`` / ``down_proj``), which is what vLLM's per-expert loaders read.
+    Sorted by (expert, param, first row): an expert's slots of one param tile its rows in order.
     """
+    pieces = pieces or {}
     slots = []
     for pname in EXPERT_PARAMS:
         target = f"{prefix}.{pname}"
@@ -71,6 +73,28 @@ def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]
     return sorted(slots, key=lambda s: (s.expert, s.param, s.lo))
 
 
+@dataclass
+class SlotStats:
+    """Cross-row statistics (``sq.quant.rtn.local_stats``, all-reduced) of rows ``[lo, hi)`` of
+    ``param[e]``: one checkpoint tensor (an :class:`ExpertSlot`) where the scales are whole-tensor
+    or 2-D blocks (FP8 per-tensor, FP8_BLOCK: gate and up each their own grid), or every row of
+    ``param[e]`` where only a global scale crosses rows (NVFP4: gate and up share it, as vLLM
+    fuses them)."""
+
+    lo: int
+    hi: int
+    stats: dict[str, torch.Tensor]
+
+
+def slot_rows(slots: list[ExpertSlot]) -> dict[tuple[int, str], list[tuple[int, int]]]:
+    """``(expert, param)`` -> the ``[lo, hi)`` rows of ``param[expert]`` each of its checkpoint
+    tensors holds, in row order (``slots`` as :func:`export_slots` sorts them)."""
+    out: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    for s in slots:
+        out.setdefault((s.expert, s.param), []).append((s.lo, s.hi))
+    return out
+
+
 def local_experts(experts: nn.Module) -> range:
     """Global indices of the experts whose rows this rank holds."""
     _, off = local_box(experts._parameters["down_proj"])
@@ -85,14 +109,20 @@ def is_ep_param(p: torch.Tensor) -> bool:
 
 @dataclass
 class ExpertCalibration:
-    """Hessian accumulators for the experts this rank holds, filled by a wrapped forward."""
+    """Per-expert statistics of the experts this rank holds, filled by a wrapped forward:
+    GPTQ Hessians (``hessians``) and/or the absmax of each expert's inputs and of its down
+    projection's inputs (``absmax``: static activation scales, ``sq.quant.activations``)."""
 
     experts: nn.Module
     calibrate_all: bool
     device: torch.device
     on: bool = True
+    hessians: bool = True
+    absmax: bool = False
     h_in: dict[int, GPTQ] = field(default_factory=dict)
     h_mid: dict[int, GPTQ] = field(default_factory=dict)
+    amax_in: dict[int, torch.Tensor] = field(default_factory=dict)  # float32 [1] per local expert
+    amax_mid: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         ex = self.experts
@@ -100,10 +130,14 @@ class ExpertCalibration:
         self.mine = local_experts(ex)
         # calibrate-all: every expert sees every token, so all gate/up input Hessians are one matrix
         # (accumulated once, not once per expert: 256x less work and memory on DeepSeek-V3)
-        shared = GPTQ(hidden, device=self.device) if self.calibrate_all else None
+        shared = GPTQ(hidden, device=self.device) if self.calibrate_all and self.hessians else None
         for e in self.mine:
-            self.h_in[e] = shared if shared is not None else GPTQ(hidden, device=self.device)
-            self.h_mid[e] = GPTQ(inter, device=self.device)
+            if self.hessians:
+                self.h_in[e] = shared if shared is not None else GPTQ(hidden, device=self.device)
+                self.h_mid[e] = GPTQ(inter, device=self.device)
+            if self.absmax:
+                self.amax_in[e] = torch.zeros(1, dtype=torch.float32, device=self.device)
+                self.amax_mid[e] = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._had_own_forward = "forward" in ex.__dict__  # EP installs a per-module forward
         self._orig = ex.forward
         ex.forward = types.MethodType(self._make_forward(), ex)
@@ -123,17 +157,28 @@ class ExpertCalibration:
             p = module.gate_up_proj
             gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I, H]
             first = calib.mine.start if is_ep_param(module.gate_up_proj) else 0
-            if calib.calibrate_all:
+            if calib.calibrate_all and calib.hessians:
                 calib.h_in[calib.mine.start].add_batch(h_all)  # the one shared accumulator
+            if calib.calibrate_all and calib.absmax:
+                a = _absmax(h_all)
+                for e in calib.mine:
+                    torch.maximum(calib.amax_in[e], a, out=calib.amax_in[e])
             for e in calib.mine:
                 x = h_all if calib.calibrate_all else h_all[(idx_all == e).any(dim=-1)]
                 if x.shape[0] == 0:
                     continue
                 w = gate_up[e - first]
                 gate, up = nn.functional.linear(x, w).chunk(2, dim=-1)
+                mid = module.act_fn(gate) * up
                 if not calib.calibrate_all:
-                    calib.h_in[e].add_batch(x)
-                calib.h_mid[e].add_batch(module.act_fn(gate) * up)
+                    if calib.hessians:
+                        calib.h_in[e].add_batch(x)
+                    if calib.absmax:
+                        torch.maximum(calib.amax_in[e], _absmax(x), out=calib.amax_in[e])
+                if calib.hessians:
+                    calib.h_mid[e].add_batch(mid)
+                if calib.absmax:
+                    torch.maximum(calib.amax_mid[e], _absmax(mid), out=calib.amax_mid[e])
             return out
 
         return forward
@@ -143,6 +188,13 @@ class ExpertCalibration:
             self.experts.forward = self._orig
         else:
             del self.experts.__dict__["forward"]
+
+
+def _absmax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as float32 ``[1]`` (exact for bf16 / fp16 values; 0 for no values)."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return torch.maximum(x.amax(), -x.amin()).float().reshape(1).clamp_min(0)
 
 
 def full_expert_rows(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -365,28 +365,33 @@ class GPTQ:
 
         if perm is not None:
             Q = Q[:, torch.argsort(perm)]
-        weight = torch.cat([
-            rtn.dequantize(Q[sl], scale[sl], None if zp is None else zp[sl], scheme, global_scale=g)
-            for (sl, _), g in zip(segs, gscales)
-        ]).to(wdtype) if len(segs) > 1 else rtn.dequantize(Q, scale, zp, scheme, global_scale=gscales[0]).to(wdtype)
+        return self._result(w, Q, scale, zp, scheme, segs, gscales, losses, dead, H_err, damp, cfg, prep, n_dead, t0)
 
+    def _result(self, w, Q, scale, zp, scheme, segs, gscales, losses, dead, H_err, damp, cfg, prep, n_dead,
+                t0) -> GPTQResult:
+        """The solve's result: the dequantized weight (each stacked weight under its own global
+        scale), the loss and relative error, and the solve's facts."""
+        wdtype = w.dtype
+        if len(segs) > 1:
+            weight = torch.cat([rtn.dequantize(Q[sl], scale[sl], None if zp is None else zp[sl], scheme, global_scale=g)
+                                for (sl, _), g in zip(segs, gscales)]).to(wdtype)
+        else:
+            weight = rtn.dequantize(Q, scale, zp, scheme, global_scale=gscales[0]).to(wdtype)
         loss = float(losses.sum())
-        rel_err = _relative_error(w, weight, dead, H_err, loss, damp)
-
         return GPTQResult(
             q=Q,
             scale=scale,
             zero_point=zp,
             weight=weight,
             loss=loss,
-            rel_err=rel_err,
+            rel_err=_relative_error(w, weight, dead, H_err, loss, damp),
             damp=damp,
             percdamp=cfg.percdamp * cfg.damp_growth**prep.retries,
             retries=prep.retries,
             dead_columns=n_dead,
             nsamples=self.nsamples,
             seconds=time.perf_counter() - t0,
-            global_scale=torch.cat(gscales) if spec.global_scale else None,
+            global_scale=torch.cat(gscales) if spec_for(scheme).global_scale else None,
         )
 
 

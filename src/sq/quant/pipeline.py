@@ -5,8 +5,11 @@
     for each block b:
         fill       materialize b's shards (DCP box reads)
         check      NaN/Inf weights refused by name (or skipped), the same on every rank
+        reduce     cross-row statistics a format reads (NVFP4 global absmax, FP8 tensor/block absmax)
+        observe    static activation / KV cache scales, where the job writes them: one forward on the
+                   block's full-precision weights, all-reduced (sq.quant.activations)
         capture    the full-precision outputs, where the algorithm tunes against them
-        observe    the algorithm's statistics from the block's calibration forward (collectives)
+        calibrate  the algorithm's statistics from the block's calibration forward (collectives)
         solve      the algorithm on this rank's rows / experts -> data; dequantized rows written back
         propagate  forward again with quantized weights -> b+1's inputs (the quantized chain)
         write      rows gathered to a round-robin writer, compressed, one shard per rank; the
@@ -41,8 +44,9 @@ from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, partner_g
 from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.quant import formats, rtn
+from sq.quant.activations import ActivationObservation, kv_cache_args, kv_cache_problems, observes_activations
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
-from sq.quant.experts import export_slots, full_expert_rows, is_ep_param, local_experts
+from sq.quant.experts import SlotStats, export_slots, full_expert_rows, is_ep_param, local_experts, slot_rows
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.quant.schemes import QuantScheme, check_group_size
@@ -111,7 +115,7 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets) -> list[str]:
+def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets, calibrated: bool) -> list[str]:
     """Refusals that depend on the model (identical on every rank): group sizes, EP split, the algorithm's own."""
     problems = []
     world = dist.get_world_size()
@@ -137,8 +141,9 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
                 except SqError as e:
                     problems += e.problems
     problems += _row_shard_problems(targets)
+    problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
     problems += algo.refusals(model, assigner, world, cfg.ep)
-    if algo.calibrated and cfg.nsamples < world:
+    if calibrated and cfg.nsamples < world:
         problems.append(f"--nsamples {cfg.nsamples} is smaller than the world size {world}: "
                         "every rank needs calibration samples")
     if not targets.assignment:
@@ -149,9 +154,9 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
 def _row_shard_problems(targets: Targets) -> list[str]:
     """The row-independence contract, enforced: every rank quantizes only its rows, so a scheme whose
     scales read statistics across rows must declare them as reductions (``sq.quant.formats``; the
-    ``reduce`` stage all-reduces them before any rank solves).  Refused too, until wired: calibrated
-    activation scales (static FP8 / NVFP4 W4A4 inputs) and whole-tensor or 2-D block scales on fused
-    experts (gate and up are separate checkpoint tensors there)."""
+    ``reduce`` stage all-reduces them before any rank solves; on fused experts per checkpoint tensor:
+    gate, up and down of each expert apart).  Refused too, until wired: calibrated activation scales
+    (static FP8 / NVFP4 W4A4 inputs)."""
     dense = {l.scheme for ls in targets.linears for l in ls}
     experts = {s for es in targets.experts for _, _, s in es}
     problems = []
@@ -161,23 +166,16 @@ def _row_shard_problems(targets: Targets) -> list[str]:
         except SqError as e:
             problems += e.problems
             continue
-        if formats.activation_observers(scheme):
-            problems.append(f"scheme {scheme.name} writes calibrated activation scales, which sq does not "
-                            "observe yet; use its dynamic-activation or weight-only variant")
-        if scheme in experts and not rtn.scales_follow_rows(scheme):
-            problems.append(f"scheme {scheme.name} on fused experts (per-tensor or 2-D block scales of the "
-                            "separate gate/up checkpoint tensors) is not supported yet; leave the experts to another "
-                            "scheme in a recipe")
     return problems
 
 
-def _signature(cfg, algo: Algorithm, assigner: Assigner, targets: Targets, weights, data: dict, world: int) -> dict:
+def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weights, data: dict, world: int) -> dict:
     """Everything a resumed run must share with the run it continues: the source, the job's
     settings that change bits (calibration ones only for an algorithm that reads calibration
     data), the algorithm's config, the resolved module -> scheme assignment, the world."""
     sig = {
         "source": weights.identity(),
-        "job": cfg.signature_args(calibrated=algo.calibrated),
+        "job": cfg.signature_args(calibrated=calibrated),
         "algorithm": cfg.algo.signature(),
         "schemes": assigner.to_dict(),
         "assignment": targets.assignment,
@@ -185,7 +183,7 @@ def _signature(cfg, algo: Algorithm, assigner: Assigner, targets: Targets, weigh
         "blocks": [p for p, _ in targets.blocks],
         "versions": versions(),
     }
-    if algo.calibrated:
+    if calibrated:
         sig["dataset"] = data
     return sig
 
@@ -323,6 +321,10 @@ class _Pipeline:
         self.fault = Fault.parse(cfg.fault)
         self.state = RunState(self.out, self.rank, enabled=cfg.bookkeeping)
         self.algo = make_algorithm(cfg.algo)
+        # calibration data: for the algorithm, or to observe static activation / KV cache scales (then
+        # one observed forward per block, before the solve: sq.quant.activations)
+        self.calibrated = cfg.needs_data(assigner)
+        self.observing = cfg.kv_cache != "none" or observes_activations(assigner)
         self.targets = plan_targets(model, assigner, weights, self.world)
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
@@ -331,8 +333,8 @@ class _Pipeline:
     def claim(self) -> bool:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
-        problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets)
-        self.sig = _signature(cfg, self.algo, self.assigner, self.targets, self.weights, self.data, self.world)
+        problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
+        self.sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         raise_all(problems, "model and output checks")
         if claim_output(self.out, self.sig, cfg.resume, self.state, self.rank) == "complete":
@@ -345,7 +347,7 @@ class _Pipeline:
         n = len(self.targets.blocks)
         self.state.load_manifest()
         points = [None] * self.world
-        dist.all_gather_object(points, self.state.restart_points(need_chain=self.algo.calibrated, n_blocks=n))
+        dist.all_gather_object(points, self.state.restart_points(need_chain=self.calibrated, n_blocks=n))
         start = max(set.intersection(*(set(p) for p in points)))
         self.fragments: dict[str, str] = self.state.truncate(start)
         # Linears an earlier run of this job left unquantized for NaN/Inf (written raw in their block)
@@ -384,6 +386,11 @@ class _Pipeline:
                          self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts)
         self._reduce(work)
         t = time.perf_counter()
+        observed_out = None
+        if self.observing:  # static activation / KV scales, on the block's full-precision weights
+            work.acts, observed_out = self._observe_activations(work)
+            phase["observe"] = time.perf_counter() - t
+            t = time.perf_counter()
         if self.algo.fp_chain:  # capture: the full-precision outputs are the algorithm's targets
             work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy)
         if self.algo.calibrated:
@@ -395,8 +402,8 @@ class _Pipeline:
         phase["solve"] = time.perf_counter() - t
         self._layer_errors(work, results)
         t = time.perf_counter()
-        if self.algo.calibrated and b + 1 < len(self.targets.blocks):
-            self._propagate(work)
+        if self.calibrated and b + 1 < len(self.targets.blocks):
+            self._propagate(work, observed_out)
             phase["forward"] = time.perf_counter() - t
         t = time.perf_counter()
         book = self._write(work, names, results, expert_q, bad)
@@ -446,17 +453,53 @@ class _Pipeline:
                 for n in group:
                     work.stats[n]["global_absmax"] = shared.clone()
         for eprefix, ex, scheme in work.experts:
-            if not formats.required_reductions(scheme):
+            reds = formats.required_reductions(scheme)
+            if not reds:
                 continue
+            # whole-tensor / 2-D block scales (FP8, FP8_BLOCK): one set per checkpoint tensor -- gate,
+            # up and down of each expert apart (a block must not straddle gate and up); a global scale
+            # only (NVFP4): one per expert and param, gate and up sharing it (vLLM fuses them)
+            per_slot = not rtn.scales_follow_rows(scheme)
+            slots = slot_rows(export_slots(eprefix, ex, self.weights.expert_pieces)) if per_slot else {}
             for pname in EXPERT_PARAMS:
                 p = ex._parameters[pname]
-                local, _ = local_box(p)  # [n_local, rows_local, in]; gate and up rows share one statistic
-                stats = [rtn.local_stats(local[i], scheme) for i in range(local.shape[0])]
-                if is_ep_param(p) and p.device_mesh.size(0) > 1:  # an expert's rows are split over dp
-                    for st in stats:
-                        for r in formats.required_reductions(scheme):
-                            dist.all_reduce(st[r.stat], op=r.reduce_op, group=p.device_mesh.get_group(0))
-                work.stats[(eprefix, pname)] = stats
+                local, off = local_box(p)  # [n_local, rows_local, in]: rows [r0, r0 + rows_local) of each expert
+                r0, n = off[1], local.shape[1]
+                per_expert = []
+                for i in range(local.shape[0]):
+                    segs = slots[off[0] + i, pname] if per_slot else [(0, p.shape[1])]
+                    entry = []
+                    for lo, hi in segs:
+                        a, b = max(lo, r0), min(hi, r0 + n)
+                        rows_ab = local[i, a - r0:b - r0] if b > a else local[i, :0]
+                        entry.append(SlotStats(lo, hi, rtn.local_stats(rows_ab, scheme, row_offset=max(a - lo, 0),
+                                                                         rows=hi - lo)))
+                    per_expert.append(entry)
+                every = [seg.stats for entry in per_expert for seg in entry]
+                if every and is_ep_param(p) and p.device_mesh.size(0) > 1:  # an expert's rows are split over dp
+                    for r in reds:  # one collective per statistic: every slot's flattened together
+                        flat = torch.cat([st[r.stat].reshape(-1) for st in every])
+                        dist.all_reduce(flat, op=r.reduce_op, group=p.device_mesh.get_group(0))
+                        for st, part in zip(every, flat.split([st[r.stat].numel() for st in every])):
+                            st[r.stat].copy_(part.view_as(st[r.stat]))
+                work.stats[(eprefix, pname)] = per_expert
+
+    def _observe_activations(self, work: BlockWork):
+        """One forward of the block (full-precision weights, this rank's inputs) with the static
+        activation and KV cache observers on; the statistics reduced over every rank's tokens.
+        Returns the checkpoint tensors and the forward's outputs."""
+        obs = ActivationObservation(self.model, work, self.cfg.kv_cache, self.device)
+        try:
+            outs = block_forward(work.block, self.inputs, self.steps, self.dummy, counters=obs.counters)
+        finally:
+            obs.remove()
+        obs.reduce()
+        return obs.scales(self._act_dtype), outs
+
+    @property
+    def _act_dtype(self) -> torch.dtype:
+        """The activations' dtype (the block inputs'): the static scales are computed in it."""
+        return self.inputs[0][0].dtype
 
     def _solve(self, work: BlockWork):
         """This rank's rows of every target -> data; the dequantized rows go back into the shard."""
@@ -468,7 +511,8 @@ class _Pipeline:
             s = self.algo.solve(work, lin, w)
             terms = _err_terms(w, s.deq, s.H)
             if compare:  # RTN on the same rows (and the same H), for comparison in the report
-                terms += _err_terms(w, rtn_rows(w, lin.scheme).deq, s.H)
+                terms += _err_terms(w, rtn_rows(w, lin.scheme, work.stats.get(lin.name),
+                                                work.row_offset.get(lin.name, 0)).deq, s.H)
             local.copy_(s.deq)
             results[lin.name] = (s, terms)
         expert_q = {}
@@ -504,9 +548,12 @@ class _Pipeline:
             dist.all_gather_object(every, work.expert_fallback)
             self.stats.experts_rtn_fallback += len(set().union(*every))  # dp replicas name the same experts
 
-    def _propagate(self, work: BlockWork) -> None:
-        """The quantized chain: the next block's inputs (and the fp chain where the algorithm keeps it)."""
-        outs = block_forward(work.block, self.inputs, self.steps, self.dummy)
+    def _propagate(self, work: BlockWork, observed_out=None) -> None:
+        """The next block's inputs: the quantized chain of a data-driven algorithm (and the fp chain
+        where it keeps it); RTN's observed forward's outputs (the full-precision chain, as
+        llm-compressor calibrates activations for round-to-nearest)."""
+        outs = observed_out if not self.algo.calibrated else block_forward(work.block, self.inputs, self.steps,
+                                                                            self.dummy)
         self.inputs = [(y, kw) for y, (_, kw) in zip(outs, self.inputs)]
         if self.algo.fp_chain:
             self.fp_inputs = [(y, kw) for y, (_, kw) in zip(work.fp_out, self.fp_inputs)]
@@ -527,11 +574,16 @@ class _Pipeline:
                 fs = gather_rows(s.scale, rows, lin.owner)
                 fz = gather_rows(s.zero_point, rows, lin.owner) if s.zero_point is not None else None
             if rank == lin.owner:
-                for rel, v in compress_weight((fq, fs, fz), lin.scheme, (out_f, in_f),
-                                              global_scale=s.global_scale).items():
+                for rel, v in compress_weight((fq, fs, fz), lin.scheme, (out_f, in_f), global_scale=s.global_scale,
+                                              activation_scales=work.acts.get(lin.name)).items():
                     tensors[lin.ckpt_prefix + rel] = v
         for (eprefix, ex, scheme) in work.experts:
-            tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme))
+            tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme,
+                                           acts=work.acts))
+        if rank == 0:  # KV cache scales: per attention layer, the same on every rank
+            for attn, scales in work.acts.items():
+                if isinstance(attn, str) and "k_scale" in scales:
+                    tensors.update({self._ckpt_module(attn) + k: v for k, v in scales.items()})
         skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in EXPERT_PARAMS}
         params = dict(self.model.named_parameters())
         for n in names:
@@ -552,7 +604,7 @@ class _Pipeline:
         if rec:
             self.fragments.update({k: shard for k in rec["tensors"]})
         t_book = time.perf_counter()
-        if self.algo.calibrated and b + 1 < len(self.targets.blocks):
+        if self.calibrated and b + 1 < len(self.targets.blocks):
             self.state.write_chain(b + 1, [h for h, _ in self.inputs],
                                    [h for h, _ in self.fp_inputs] if self.algo.fp_chain else None)
         self.state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
@@ -561,6 +613,16 @@ class _Pipeline:
         del tensors
         trim_heap()
         return book_s
+
+    def _ckpt_module(self, name: str) -> str:
+        """The checkpoint prefix of module ``name`` (``model.layers.0.self_attn.``), read off one of
+        its parameters' checkpoint names."""
+        module = self.model.get_submodule(name)
+        for rel, _ in module.named_parameters():
+            ck = self.weights.ckpt_name(f"{name}.{rel}")
+            if ck.endswith(rel):
+                return ck.removesuffix(rel)
+        return f"{name}."
 
     # ---- after the blocks
     def finish(self, start: int) -> dict:
@@ -588,7 +650,8 @@ class _Pipeline:
                 report = self._report(all_mine, start)
                 groups = _config_groups(self.targets, weights)
                 unquantized = sorted({*self.targets.unquantized, *self.skipped})
-                _finish(self.out, weights, groups, unquantized, report, all_frags, self.fault, self.state)
+                _finish(self.out, weights, groups, unquantized, report, all_frags, self.fault, self.state,
+                        kv_cache_args(self.cfg.kv_cache))
             except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
                 err = e
         all_ok(err is None, "writing the config, report and index")
@@ -642,7 +705,7 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
     if parallelize is not None:
         parallelize()
     weights.fill(weights.root_names)
-    if p.algo.calibrated and start < n_blocks:
+    if p.calibrated and start < n_blocks:
         p.calibration_inputs(start)
     p.progress = block_progress(n_blocks, start, bar=p.rank == 0)
     for b in range(start, n_blocks):
@@ -654,40 +717,47 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
         remove_log_file(log_file)
 
 
-def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme) -> dict[str, torch.Tensor]:
+def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, acts=None) -> dict[str, torch.Tensor]:
     """Compressed per-expert tensors under checkpoint-layout names, written by the rank holding them.
 
     Under EP with dp > 1 an expert's rows are spread over the dp group: they are gathered there
-    and the dp rank ``e % dp`` writes the expert.
+    and the dp rank ``e % dp`` writes the expert.  Scales that follow rows are gathered and sliced
+    like the rows; whole / block scales come one grid per slot (``[n_local, n_slots, *grid]``, the
+    same on every dp rank: ``Algorithm.solve_expert``), slot k of an expert taking grid k.
     """
     tensors = {}
     mine = local_experts(ex)
     p0 = ex._parameters["down_proj"]
     dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
+    follow = rtn.scales_follow_rows(scheme)
     full = {}
     for pname in EXPERT_PARAMS:
         p = ex._parameters[pname]
         q, scale, zp, gs = qdata[pname]
         if q is None:
             continue
-        full[pname] = (*(full_expert_rows(t, p) if t is not None else None for t in (q, scale, zp)), gs)
+        full[pname] = (full_expert_rows(q, p),
+                       *((full_expert_rows(t, p) if follow else t) if t is not None else None for t in (scale, zp)), gs)
+    seen: dict[tuple[int, str], int] = {}
     for slot in export_slots(eprefix, ex, pieces):
+        k = seen[slot.expert, slot.param] = seen.get((slot.expert, slot.param), -1) + 1  # slot k of param[e]
         if slot.expert not in mine or slot.expert % dp != dp_rank or slot.param not in full:
             continue
         q, scale, zp, gs = full[slot.param]
         i = slot.expert - mine.start
-        sl = slice(slot.lo, slot.hi)
-        w = (q[i, sl], scale[i, sl], zp[i, sl] if zp is not None else None)
-        for rel, v in compress_weight(w, scheme, tuple(w[0].shape),
+        sl = slice(slot.lo, slot.hi) if follow else k
+        w = (q[i, slot.lo:slot.hi], scale[i, sl], zp[i, sl] if zp is not None else None)
+        act = (acts or {}).get((eprefix, slot.expert, "mid" if slot.param == "down_proj" else "in"))
+        for rel, v in compress_weight(w, scheme, tuple(w[0].shape), activation_scales=act,
                                       global_scale=gs[i].clone() if gs[i] is not None else None).items():
             tensors[slot.ckpt_prefix + rel] = v
     return tensors
 
 
-def _finish(out: Path, weights, groups, unquantized, report: dict, all_frags, fault, state) -> None:
+def _finish(out: Path, weights, groups, unquantized, report: dict, all_frags, fault, state, kv_cache=None) -> None:
     """Rank 0: config, side files, report, summary, picture; the merged index last."""
     config = weights.config
-    config["quantization_config"] = quantization_config(groups, unquantized)
+    config["quantization_config"] = quantization_config(groups, unquantized, kv_cache_scheme=kv_cache)
     writer.write_json(out / "config.json", config)
     report["side_files"] = weights.write_side_files(out)
     writer.write_json(out / REPORT_NAME, report)

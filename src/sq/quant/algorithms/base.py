@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from sq.errors import SqError
+from sq.load.fill import local_box
 from sq.quant import rtn
 from sq.quant.experts import local_experts
 from sq.quant.settings import AlgoConfig
@@ -80,10 +81,14 @@ class BlockWork:
     calibrate_all_experts: bool
     fp_out: list | None = None
     # cross-row statistics (sq.quant.formats reductions), already all-reduced and shared by fused
-    # partners: dense weight name -> stats; (experts prefix, param) -> one dict per local expert
+    # partners: dense weight name -> stats; (experts prefix, param) -> per local expert, a list of
+    # sq.quant.experts.SlotStats (one per checkpoint tensor of the fused rows)
     stats: dict = field(default_factory=dict)
     row_offset: dict = field(default_factory=dict)  # dense weight name -> this rank's first row
     state: dict = field(default_factory=dict)
+    # calibrated activation tensors (sq.quant.activations.ActivationObservation.scales): by dense
+    # Linear name, (experts prefix, expert, "in" | "mid"), attention module name
+    acts: dict = field(default_factory=dict)
     expert_fallback: list[str] = field(default_factory=list)  # experts no token reached (RTN instead)
 
 
@@ -122,9 +127,34 @@ class Algorithm:
 
     def solve_expert(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, e: int, w: torch.Tensor,
                      scheme) -> Solved:
-        """Expert ``e``'s local rows ``w [rows, in]`` of projection ``pname``."""
-        stats = work.stats.get((eprefix, pname))
-        return rtn_rows(w, scheme, stats[e - local_experts(ex).start] if stats else None)
+        """Expert ``e``'s local rows ``w [rows, in]`` of projection ``pname`` (rows ``[r0, r0 + rows)``
+        of ``param[e]``: under EP with dp > 1 the dp group splits an expert's rows).
+
+        A scheme with cross-row statistics has them in ``work.stats`` as segments of ``param[e]``'s
+        rows (``sq.quant.experts.SlotStats``): each checkpoint tensor (gate, up, down) for whole /
+        2-D block scales, all rows for a global scale only.  Each segment's local rows are quantized
+        with its own statistics at its own row offset -- exactly what that tensor quantized alone
+        gives.  Scales that follow rows come back as rows; whole / block scales as one grid per
+        segment, ``[n_segments, *grid]``, the same on every rank holding rows of the expert (a rank
+        holding none of a segment's rows still computes its grid from the all-reduced statistics)."""
+        segs = work.stats.get((eprefix, pname))
+        if not segs:
+            return rtn_rows(w, scheme)
+        segs = segs[e - local_experts(ex).start]
+        r0 = local_box(ex._parameters[pname])[1][1]
+        parts = []
+        for seg in segs:
+            a, b = max(seg.lo, r0), min(seg.hi, r0 + w.shape[0])
+            rows = w[a - r0:b - r0] if b > a else w[:0]
+            parts.append(rtn_rows(rows, scheme, seg.stats, max(a - seg.lo, 0)))
+
+        def cat(ts):
+            return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+        join = cat if rtn.scales_follow_rows(scheme) else torch.stack
+        zp = join([s.zero_point for s in parts]) if parts[0].zero_point is not None else None
+        return Solved(cat([s.q for s in parts]), join([s.scale for s in parts]), zp, cat([s.deq for s in parts]),
+                      global_scale=parts[0].global_scale)
 
     def solve_experts(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, local: torch.Tensor,
                       first: int, scheme) -> list[Solved]:
