@@ -29,6 +29,10 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     Args:
         model: a transformers causal LM whose decoder layers are each ``fully_shard``-ed over the
             whole world (FSDP2, dim-0 shards), identical on every rank; world size 1 needs no sharding.
+            MoE experts (fused ``gate_up_proj`` / ``down_proj``) sharded with their layer, or DTensors
+            on an expert-parallel mesh of the caller's (``Shard(0)`` over one mesh dimension,
+            optionally ``Shard(1)`` over one other), as ``sq.load_sharded(..., ep=N)`` returns;
+            the mesh is read off the DTensors (docs/python-api.md, "MoE models").
         output: a new or empty folder.
         calibration: token ids ``[nsamples, seqlen]`` (the same on every rank; each rank uses rows
             ``rank::world``); default: ``nsamples`` windows of ``dataset`` cut with ``tokenizer``.
@@ -44,6 +48,39 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     Returns the report (``sq_report.json``) on rank 0 and ``{}`` elsewhere.  Problems raise
     ``SqError`` on every rank before anything is written.
     """
+    with _resharded(model):
+        return _quantize(model, output, scheme=scheme, algo=algo, group_size=group_size, calibration=calibration,
+                         tokenizer=tokenizer, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                         ignore=ignore, recipe=recipe, resume=resume, **settings)
+
+
+class _resharded:
+    """Every FSDP2 unit of ``model`` sharded, and resharding after each forward, for the job (the
+    pipeline reads and writes each rank's shard; a training loop may keep units unsharded between
+    forwards: ``reshard_after_forward=False``); the caller's settings come back after."""
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def __enter__(self):
+        from sq.parallel.fsdp import unsharded
+
+        self.saved = [unsharded._settings(m) for m in self.units]
+        for m in self.units:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
+        return self
+
+    def __exit__(self, *exc):
+        for m, (fwd, bwd) in zip(self.units, self.saved):
+            m.set_reshard_after_forward(fwd, recurse=False)
+            m.set_reshard_after_backward(bwd, recurse=False)
+
+
+def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration, tokenizer, dataset, nsamples,
+              seqlen, seed, ignore, recipe, resume, **settings) -> dict:
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
     from sq.files import sha256_bytes
@@ -72,10 +109,11 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
         try:
             assigner = make_assigner(scheme, group_size, tuple(ignore), recipe)
             weights = ModelWeights(model, tokenizer)
+            cfg = dataclasses.replace(cfg, ep=weights.ep)  # read off the experts' DTensors
         except SqError as e:
             problems += e.problems
     windows, data = None, {"spec": None, "sha256": None}
-    if not problems and cfg.calibrated:
+    if not problems and cfg.needs_data(assigner):
         if calibration is not None:
             windows = calibration
             if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
@@ -89,7 +127,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
                                           dataset="tensor")
                 data = {"spec": "tensor", "sha256": sha256_bytes(windows.contiguous().cpu().numpy().tobytes())}
         elif tokenizer is None:
-            problems.append(f"{algo} needs calibration data: pass calibration=token ids, or tokenizer= (and dataset=)")
+            problems.append(f"{cfg.data_reason(assigner)} needs calibration data: pass calibration=token ids, or tokenizer= (and dataset=)")
         else:
             try:
                 text = read_corpus_dist(dataset).text(tokenizer)
@@ -103,7 +141,9 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
     was_training = model.training
     model.eval()
     try:
+        weights.prepare()  # expert-parallel experts seen on sq's (dp, ep) mesh for the job (collective)
         return run_pipeline(cfg, model, weights, assigner, data, lambda: windows.long(), parallelize=None,
                             t_start=t_start)
     finally:
+        weights.restore()
         model.train(was_training)

@@ -37,7 +37,7 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
         dt = distribute_tensor(p.data, mesh, expert_placements(), src_data_rank=None)
         experts._parameters[name] = nn.Parameter(dt, requires_grad=False)
     experts._sq_ep_mesh = mesh
-    experts.forward = types.MethodType(_ep_forward, experts)
+    experts.forward = types.MethodType(ep_forward, experts)
 
 
 def local_expert_range(n_experts: int, mesh: DeviceMesh) -> range:
@@ -48,7 +48,7 @@ def local_expert_range(n_experts: int, mesh: DeviceMesh) -> range:
 
 
 @torch.no_grad()
-def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+def ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     mesh: DeviceMesh = self._sq_ep_mesh
     ep_group, dp_group = mesh.get_group("ep"), mesh.get_group("dp")
     ep = dist.get_world_size(ep_group)
