@@ -44,7 +44,7 @@ def build_parser() -> ArgParser:
     p.add_argument("--group-size", type=int, default=job["group_size"], metavar="N",
                    help="columns per quantization group; must divide every quantized layer's input width")
     p.add_argument("--nsamples", type=int, default=job["nsamples"], metavar="N",
-                   help="calibration windows, split across ranks (gptq, signround)")
+                   help="calibration windows, split across ranks (gptq, signround; static activation and KV cache scales)")
     p.add_argument("--seqlen", type=int, default=job["seqlen"], metavar="N", help="tokens per calibration window")
     p.add_argument("--seed", type=int, default=job["seed"], help="random seed (part of the resume signature)")
     p.add_argument("--dataset", default=job["dataset"], metavar="SPEC",
@@ -59,7 +59,11 @@ def build_parser() -> ArgParser:
                    help="collective timeout: a dead or hung rank ends the job instead of hanging it")
     p.add_argument("--ep", type=int, default=job["ep"], metavar="N", help="expert-parallel degree (divides the world size)")
     p.add_argument("--no-calibrate-all-experts", dest="calibrate_all", action="store_false",
-                   help="feed each expert's Hessian only the tokens routed to it (default: every token)")
+                   help="feed each expert's Hessian (and activation scale) only the tokens routed to it "
+                        "(default: every token)")
+    p.add_argument("--kv-cache", default=job["kv_cache"], choices=("none", "fp8"),
+                   help="fp8: write calibrated per-layer k_scale / v_scale for an fp8 KV cache (kv_cache_scheme; "
+                        "reads calibration data)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
@@ -70,34 +74,41 @@ def build_parser() -> ArgParser:
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="leave Linears whose weights hold NaN/Inf unquantized (listed in the config's ignore) "
                         "instead of refusing the run")
+    p.add_argument("--model-free", action="store_true",
+                   help="quantize straight from the safetensors files without building the model (data-free "
+                        "schemes, --algo rtn; taken automatically when transformers cannot build the "
+                        "architecture): docs/model-free.md")
     p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
     return p
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, with_model_free: bool = False):
     from sq.quant.algorithms import config_from_namespace
     from sq.quant.blockwise import PTQConfig
 
     a = build_parser().parse_args(argv)
-    return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=config_from_namespace(a.algo, a),
+    cfg = PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=config_from_namespace(a.algo, a),
                      group_size=a.group_size, nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
-                     skip_nonfinite=a.skip_nonfinite, trust_remote_code=a.trust_remote_code,
+                     skip_nonfinite=a.skip_nonfinite, trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache,
                      fault=os.environ.get("SQ_FAULT"))
+    return (cfg, a.model_free) if with_model_free else cfg
 
 
 def main(argv=None) -> int:
     def body():
+        from sq import modelfree
         from sq.dist import init_distributed, setup_logging
         from sq.memory import prefer_mmap_for_large_allocations
         from sq.quant.blockwise import quantize_model
 
-        cfg = parse_args(argv)
+        cfg, model_free = parse_args(argv, with_model_free=True)
         prefer_mmap_for_large_allocations()
         env = init_distributed(timeout_s=cfg.timeout_s)
         setup_logging(env.rank)
-        report = quantize_model(cfg)
+        run = modelfree.quantize_checkpoint if modelfree.wanted(cfg, model_free) else quantize_model
+        report = run(cfg)
         if report.get("complete") and env.rank == 0:
             print(f"sq: {cfg.output} is already complete; nothing to do")
 

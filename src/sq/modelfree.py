@@ -1,0 +1,567 @@
+"""Model-free quantization: data-free schemes straight from the safetensors shards, no model built.
+
+``python -m sq.ptq --model-free`` (or automatically, when transformers cannot build the
+architecture and the job needs no calibration data) reads the index and the headers, decides
+from names and shapes which tensors are Linear weights, and quantizes each with round-to-nearest
+-- the very functions the model path calls (``rtn_rows``, ``compress_weight``), on the whole
+tensor, so the output equals ``sq.ptq --algo rtn``'s tensor for tensor.
+
+Classification (docs/model-free.md), inside decoder layers ``<prefix>.layers.<i>.`` with
+``i < num_hidden_layers`` (later layers -- DeepSeek's MTP -- are carried over as they are):
+
+- quantized: 2-D ``*.weight`` of a projection (``*_proj``, ``*_proj_with_mqa``, Mixtral's
+  ``w1/w2/w3``, ``fc1/fc2``...), per-expert ``experts.<e>.<proj>.weight`` and fused 3-D
+  ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` (written per expert,
+  ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, as the model path writes them);
+- kept: 1-D tensors (norms, biases), routers (``gate`` / ``router``: listed in ``ignore``);
+- anything else 2-D / 3-D in a layer: refused by name (``--ignore`` keeps it as it is).
+
+Outside the layers everything is kept; ``lm_head`` is listed in ``ignore``.  FP8 block-scaled
+sources are dequantized per tile (``sq.load.fp8.dequantize``) into the config's dtype, their scales
+dropped.  NVFP4-style global scales are shared by fused partners (``sq.anatomy.partner_groups``;
+an expert's gate and up), which always land on one rank.
+
+Work: units (a partner group of Linears, one expert of a group, a layer's other tensors) go to
+ranks by bytes, greedily; each rank writes ``model-rank{r}-block{b}`` files and records each
+layer in its manifest (``sq.resume``); rank 0 writes the root and carried tensors, config,
+report and, last, the index.  No collective runs between the refusals and the final stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from sq.dist import all_ok
+from sq.errors import SqError
+from sq.export import writer
+from sq.export.compressed import compress_weight, quantization_config
+from sq.files import CARRIED_NAME, REPORT_NAME, shard_name
+from sq.load import fp8
+from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
+from sq.load.source import scan_checkpoint
+from sq.memory import trim_heap
+from sq.quant import rtn
+from sq.quant.algorithms import rtn_rows
+from sq.quant.recipe import make_assigner, scheme_tag
+from sq.quant.schemes import check_group_size
+from sq.resume import Fault, RunState, maybe_die, signature_sha, source_identity
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["wanted", "quantize_checkpoint", "classify", "Plan"]
+
+_LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<i>\d+)\.(?P<rest>.+)$")
+_EXPERT = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
+_FUSED = re.compile(r"^(?P<group>.*\.experts)\.(?P<leaf>gate_up_proj|down_proj)$")
+_PROJ = re.compile(r"(_proj|_proj_with_mqa|^w[1-3]|^fc\d|^dense(_h_to_4h|_4h_to_h)?|^query_key_value|^c_(attn|proj|fc)"
+                   r"|^w[qkvo])$")
+_ROUTER = {"gate", "router", "router_gate"}
+_GATE_LEAVES = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}  # an expert's gate_up rows: gate first
+
+
+@dataclass
+class Slot:
+    """One checkpoint tensor a unit writes: ``key`` read (rows ``[lo, hi)`` of expert ``e`` of a fused
+    3-D tensor when ``e`` is set), written under ``out_prefix`` (``None``: copied as it is)."""
+
+    key: str
+    out_prefix: str | None
+    e: int | None = None
+    lo: int = 0
+    hi: int | None = None
+    share: int = 0  # slots of a unit with the same value share one global scale (gate + up; not down)
+
+
+@dataclass
+class Unit:
+    """What one rank quantizes together: Linears sharing a global scale, or tensors copied as they are."""
+
+    block: int
+    slots: list[Slot]
+    scheme: object = None  # QuantScheme, None for copied tensors
+    name: str = ""  # module name (Linear) or experts prefix + index
+    nbytes: int = 0
+
+
+@dataclass
+class Plan:
+    blocks: list[str]  # layer prefixes, e.g. model.layers.0
+    units: list[Unit]
+    root: list[str]  # kept outside the layers (rank 0)
+    carried: list[str]  # later layers (MTP): rank 0, FP8 dequantized
+    dense: dict = field(default_factory=dict)  # module name -> scheme (quantized Linears)
+    experts: dict = field(default_factory=dict)  # experts prefix -> (scheme, [out prefixes])
+    unquantized: list[str] = field(default_factory=list)  # the config's ignore
+    assignment: dict = field(default_factory=dict)
+
+
+def _dtype_of(config: dict) -> torch.dtype:
+    """The dtype the model path builds the model in (``sq.load.meta.build_skeleton``)."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    dt = getattr(torch, name, None)
+    return dt if isinstance(dt, torch.dtype) else torch.bfloat16
+
+
+def fp32_patterns(config: dict, dtype: torch.dtype) -> list[str]:
+    """Name patterns transformers keeps in float32 for this architecture (the class's
+    ``_keep_in_fp32_modules_strict`` under fp16/bf16, ``_keep_in_fp32_modules`` under fp16; e.g.
+    DeepSeek-V3's router): read off the class, never built.  [] for an unknown architecture."""
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.get("model_type")])
+    except Exception:  # noqa: BLE001 - unknown to this transformers: stored dtypes rule
+        return []
+    out = []
+    if dtype in (torch.float16, torch.bfloat16):
+        out += list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        out += list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    return out
+
+
+def _num_layers(config: dict) -> int | None:
+    for c in (config, config.get("text_config") or {}):
+        n = c.get("num_hidden_layers") if isinstance(c, dict) else None
+        if isinstance(n, int):
+            return n
+    return None
+
+
+def renamer(model_type) -> Callable[[str], str]:
+    """Checkpoint module name -> the model's (transformers' own renaming rules for a known
+    ``model_type``, e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``; the identity otherwise): what
+    ``--ignore`` / ``--recipe`` match and the config's ``ignore`` lists, as on the model path."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+        rules = [r for r in (get_checkpoint_conversion_mapping(model_type) or []) if isinstance(r, WeightRenaming)]
+    except Exception:  # noqa: BLE001 - an unknown architecture, an older transformers: names as stored
+        rules = []
+    if not rules:
+        return lambda name: name
+    return lambda name: apply_renamings(name + ".weight", rules).removesuffix(".weight")
+
+
+def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
+    """Which tensors are quantized, kept or refused (by name, from names and shapes only)."""
+    tensors = {k: v for k, v in source.tensors.items() if k not in fp8_scales}
+    counts: dict[str, int] = {}
+    for k, t in tensors.items():
+        m = _LAYER.match(k)
+        if m:
+            counts[m["prefix"]] = counts.get(m["prefix"], 0) + t.nbytes
+    prefix = max(counts, key=counts.get) if counts else None
+    n_layers = _num_layers(source.config)
+    layers: dict[int, list[str]] = {}
+    root, carried, problems = [], [], []
+    for k in sorted(tensors):
+        m = _LAYER.match(k)
+        if m is None or m["prefix"] != prefix:
+            root.append(k)
+        elif n_layers is not None and int(m["i"]) >= n_layers:
+            carried.append(k)
+        else:
+            layers.setdefault(int(m["i"]), []).append(k)
+    n = max(layers) + 1 if layers else 0
+    plan = Plan([f"{prefix}.{i}" for i in range(n)], [], root, carried)
+    if any(k.startswith("lm_head.") for k in tensors) or not any(k.startswith("lm_head.") for k in source.tensors):
+        plan.unquantized.append("lm_head")  # the model path lists it, tied or not
+    rename = renamer(source.config.get("model_type"))
+    for k in root:  # Linears outside the decoder (a vision tower's): kept, listed as the model path lists them
+        t = tensors[k]
+        if len(t.shape) == 2 and k.endswith(".weight") and not re.search(r"embed|^lm_head\.|\.wte\.|\.wpe\.", k):
+            plan.unquantized.append(rename(k.removesuffix(".weight")))
+    for b in range(n):
+        problems += _classify_layer(plan, b, layers.get(b, []), tensors, assigner, rename)
+    return plan, problems
+
+
+def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rename) -> list[str]:
+    problems, dense, experts, kept = [], {}, {}, []
+    for k in keys:
+        t = tensors[k]
+        fused = _FUSED.match(k) if len(t.shape) == 3 else None
+        per_expert = _EXPERT.match(k) if len(t.shape) == 2 else None
+        leaf = k.removesuffix(".weight").rsplit(".", 1)[-1]
+        if fused:
+            experts.setdefault(fused["group"], []).append((k, None, fused["leaf"]))
+        elif per_expert and _PROJ.search(per_expert["leaf"]):
+            experts.setdefault(per_expert["group"], []).append((k, int(per_expert["e"]), per_expert["leaf"]))
+        elif len(t.shape) == 2 and k.endswith(".weight") and leaf in _ROUTER:
+            plan.unquantized.append(rename(k.removesuffix(".weight")))
+            kept.append(k)
+        elif len(t.shape) == 2 and k.endswith(".weight") and _PROJ.search(leaf):
+            dense[k.removesuffix(".weight")] = k
+        elif len(t.shape) <= 1:
+            kept.append(k)
+        elif assigner.assign(rename(k.removesuffix(".weight"))) is None:  # the user keeps it (--ignore, recipe)
+            plan.unquantized.append(rename(k.removesuffix(".weight")))
+            kept.append(k)
+        else:
+            pattern = re.escape(rename(k.removesuffix(".weight")))
+            problems.append(f"{k} {list(t.shape)}: not a tensor model-free quantization can classify (a "
+                            f"projection, an expert, a router, a norm); pass --ignore '{pattern}' to leave it as it is")
+    for name, key in dense.items():
+        scheme = assigner.assign(rename(name))
+        if scheme is None:
+            plan.unquantized.append(rename(name))
+            kept.append(key)
+            continue
+        try:
+            check_group_size(name, tensors[key].shape[1], scheme)
+        except SqError as e:
+            problems += e.problems
+        plan.dense[name] = scheme
+        plan.assignment[rename(name)] = scheme_tag(scheme)
+    from sq.anatomy import partner_groups
+
+    for group in partner_groups([nm for nm in dense if nm in plan.dense]):
+        by_scheme: dict = {}
+        for nm in group:  # partners share a global scale only under one scheme
+            by_scheme.setdefault(plan.dense[nm], []).append(nm)
+        for scheme, names in by_scheme.items():
+            slots = [Slot(dense[nm], nm + ".") for nm in names]
+            plan.units.append(Unit(b, slots, scheme, names[0], sum(tensors[s.key].nbytes for s in slots)))
+    for group, entries in experts.items():
+        problems += _expert_units(plan, b, group, entries, tensors, assigner, kept, rename)
+    if kept:
+        plan.units.append(Unit(b, [Slot(k, None) for k in kept], None, f"{plan.blocks[b]} (kept)",
+                               sum(tensors[k].nbytes for k in kept)))
+    return problems
+
+
+def _expert_units(plan: Plan, b: int, group: str, entries, tensors, assigner, kept: list[str], rename) -> list[str]:
+    """One unit per expert: its gate and up (sharing a global scale) and down."""
+    scheme = assigner.assign(rename(group))
+    if scheme is None:
+        kept.extend(k for k, _, _ in entries)
+        return []
+    problems: list[str] = []
+    per: dict[int, list[Slot]] = {}
+    for k, e, leaf in entries:
+        shape = tensors[k].shape
+        if e is None:  # fused 3-D: written per expert, as transformers' per-expert layout
+            for x in range(shape[0]):
+                if leaf == "down_proj":
+                    per.setdefault(x, []).append(Slot(k, f"{group}.{x}.down_proj.", x, 0, shape[1], 1))
+                else:
+                    half = shape[1] // 2
+                    per.setdefault(x, []).append(Slot(k, f"{group}.{x}.gate_proj.", x, 0, half))
+                    per.setdefault(x, []).append(Slot(k, f"{group}.{x}.up_proj.", x, half, shape[1]))
+        else:
+            per.setdefault(e, []).append(Slot(k, k.removesuffix("weight"), share=0 if leaf in _GATE_LEAVES else 1))
+        width = shape[-1]
+        try:
+            check_group_size(f"{group}.{leaf}", width, scheme)
+        except SqError as err:
+            problems += [p for p in err.problems if p not in problems]
+    outs = []
+    for e in sorted(per):
+        slots = per[e]
+        nbytes = sum(tensors[s.key].nbytes * (s.hi - s.lo) // (tensors[s.key].shape[0] * tensors[s.key].shape[1])
+                     if s.e is not None else tensors[s.key].nbytes for s in slots)
+        plan.units.append(Unit(b, slots, scheme, f"{group}.{e}", nbytes))
+        outs += [s.out_prefix.removesuffix(".") for s in slots]
+    plan.experts[group] = (scheme, sorted(outs))
+    plan.assignment[rename(group)] = scheme_tag(scheme)
+    return problems
+
+
+def split_by_bytes(units: list[Unit], world: int) -> list[int]:
+    """Owner rank of each unit: largest first to the least loaded rank (deterministic)."""
+    load, owner = [0] * world, [0] * len(units)
+    for i in sorted(range(len(units)), key=lambda i: (-units[i].nbytes, i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + max(units[i].nbytes, 1)
+    return owner
+
+
+class _Reader:
+    """Whole tensors from the checkpoint, FP8 block-scaled weights dequantized per tile."""
+
+    def __init__(self, source, layout, dtype: torch.dtype):
+        self.source, self.layout, self.dtype, self.handles = source, layout, dtype, {}
+        fp32 = fp32_patterns(source.config, dtype)
+        self.fp32 = re.compile("|".join(re.escape(p) for p in fp32)) if fp32 else None
+
+    def _handle(self, key: str):
+        from safetensors import safe_open
+
+        f = self.source.tensors[key].file
+        if f not in self.handles:
+            self.handles[f] = safe_open(str(self.source.path(f)), framework="pt")
+        return self.handles[f]
+
+    def raw(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def expert_rows(self, key: str, e: int, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of expert ``e`` of a fused 3-D tensor (only those bytes read), in the model's dtype."""
+        t = self._handle(key).get_slice(key)[e:e + 1, lo:hi][0]
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+    def weight(self, key: str, cast: bool = True) -> torch.Tensor:
+        """``cast``: in the model's dtype (what the model path holds); else as stored (carried)."""
+        t = self.raw(key)
+        if self.layout is not None and key in self.layout.scales:
+            return fp8.dequantize(t, self.raw(self.layout.scales[key]), self.layout.block, self.dtype)
+        if not (cast and t.is_floating_point()):
+            return t
+        return t.to(torch.float32 if self.fp32 is not None and self.fp32.search(key) else self.dtype)
+
+
+def _quantize_unit(unit: Unit, reader: _Reader, skip_nonfinite: bool) -> tuple[dict, list[str], list[str]]:
+    """The unit's output tensors, the Linears left unquantized for NaN/Inf, and refusals."""
+    if unit.scheme is None:
+        return {s.key: reader.weight(s.key) for s in unit.slots}, [], []
+    ws = []
+    for s in unit.slots:
+        ws.append(reader.expert_rows(s.key, s.e, s.lo, s.hi) if s.e is not None else reader.weight(s.key))
+    bad = [i for i, w in enumerate(ws) if not bool(torch.isfinite(w).all())]
+    out, skipped = {}, []
+    if bad:
+        dense = unit.slots[0].e is None and not _EXPERT.match(unit.slots[0].key)
+        if not (skip_nonfinite and dense):
+            return {}, [], [f"{unit.slots[i].key} holds NaN or Inf values: its scales would be NaN. Fix the checkpoint"
+                            + (", or pass --skip-nonfinite to leave such Linears unquantized" if dense else
+                               "; --skip-nonfinite leaves dense Linears only: leave these experts out with --ignore")
+                            for i in bad]
+        for i in bad:  # left as they are, listed in ignore; their partners share a scale without them
+            out[unit.slots[i].key] = ws[i]
+            skipped.append(unit.slots[i].out_prefix.removesuffix("."))
+        keep = [i for i in range(len(ws)) if i not in bad]
+        unit = Unit(unit.block, [unit.slots[i] for i in keep], unit.scheme, unit.name)
+        ws = [ws[i] for i in keep]
+    stats = [rtn.local_stats(w, unit.scheme) or None for w in ws]
+    for share in {s.share for s in unit.slots}:  # one global scale per fused weight (the model path's rule)
+        members = [st for s, st in zip(unit.slots, stats) if s.share == share and st and "global_absmax" in st]
+        if len(members) > 1:
+            shared = torch.stack([st["global_absmax"] for st in members]).amax(0)
+            for st in members:
+                st["global_absmax"] = shared.clone()
+    for s, w, st in zip(unit.slots, ws, stats):
+        solved = rtn_rows(w, unit.scheme, st, 0)
+        for rel, v in compress_weight((solved.q, solved.scale, solved.zero_point), unit.scheme, tuple(w.shape),
+                                      global_scale=solved.global_scale).items():
+            out[s.out_prefix + rel] = v
+    return out, skipped, []
+
+
+def data_free_problems(cfg, assigner, why: str) -> list[str]:
+    """Refusals of a job model-free quantization cannot run: anything that needs calibration data."""
+    reason = cfg.data_reason(assigner)
+    if reason is None:
+        return []
+    return [f"{why}: model-free quantization reads no calibration data, but {reason} needs it; use --algo rtn with "
+            "a data-free scheme (W4A16, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16, ...), or drop "
+            "--model-free so the model is built"]
+
+
+def wanted(cfg, model_free: bool) -> bool:
+    """Whether ``sq.ptq`` takes the model-free path: on request, or when transformers cannot build
+    the architecture (unknown ``model_type``; remote code not allowed) and the job is data-free.
+    Call on every rank (a hub id is resolved, rank 0 downloading)."""
+    if model_free:
+        return True
+    from sq.demo import resolve_model_dist
+    from sq.load.source import read_config
+
+    try:
+        src = resolve_model_dist(cfg.model)
+        raw = read_config(src)
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe)
+    except SqError:
+        return False  # the model path names the problem
+    model_type = raw.get("model_type")
+    # an architecture transformers does not know, or code the user did not allow; a config without a
+    # (string) model_type is broken, not new: the model path names it
+    unbuildable = isinstance(model_type, str) and model_type != "" and (
+        bool(model_type_problems(raw, Path(src), trust_remote_code=cfg.trust_remote_code))
+        or (bool(raw.get("auto_map")) and not cfg.trust_remote_code))
+    if unbuildable and cfg.data_reason(assigner) is None and not cfg.problems():
+        logger.info("transformers cannot build %s (model_type %r); quantizing it model-free", src, model_type)
+        return True
+    return False
+
+
+def _raise_all(problems: list[str], what: str) -> None:
+    all_ok(not problems, what)
+    if problems:
+        raise SqError(problems)
+
+
+def _prepare(cfg):
+    """Every refusal, identical on every rank, before anything is written: (plan, reader, source, assigner)."""
+    from sq.demo import resolve_model_dist
+
+    problems = list(cfg.problems())
+    assigner = None
+    try:
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe)
+    except SqError as e:
+        problems += e.problems
+    if assigner is not None:
+        problems += data_free_problems(cfg, assigner, "--model-free")
+    _raise_all(problems, "argument checks")
+    src = Path(resolve_model_dist(cfg.model))
+    source = scan_checkpoint(src)
+    problems = list(source.problems)
+    layout = None
+    if not problems:
+        problems += config_problems(source.config, src, trust_remote_code=True)  # no model code runs here
+        problems += tokenizer_problems(src, trust_remote_code=cfg.trust_remote_code)  # copied: the user's word
+        layout, fp8_problems = fp8.detect_fp8(source)
+        problems += fp8_problems
+    plan = None
+    if not problems:
+        plan, more = classify(source, assigner, layout.scale_keys if layout is not None else set())
+        problems += more
+        if not plan.assignment:
+            problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+    problems += writer.output_path_problems(cfg.output, src)
+    _raise_all(problems, "checkpoint checks")
+    return plan, _Reader(source, layout, _dtype_of(source.config)), source, assigner
+
+
+def _signature(cfg, plan: Plan, source, assigner, world: int) -> dict:
+    from sq.quant.pipeline import versions
+
+    return {"mode": "model-free", "source": source_identity(source), "job": cfg.signature_args(calibrated=False),
+            "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
+            "world_size": world, "blocks": plan.blocks, "versions": versions()}
+
+
+@torch.no_grad()
+def quantize_checkpoint(cfg) -> dict:
+    """``sq.ptq --model-free``: a checkpoint folder in, a compressed-tensors checkpoint out, no model
+    built.  Runs inside an initialized process group; the report on rank 0, ``{}`` elsewhere."""
+    from sq.quant.pipeline import claim_output
+
+    t_start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan, reader, source, assigner = _prepare(cfg)
+    out = Path(cfg.output)
+    sig = _signature(cfg, plan, source, assigner, world)
+    state = RunState(out, rank, enabled=cfg.bookkeeping)
+    if claim_output(out, sig, cfg.resume, state, rank) == "complete":
+        logger.info("%s is already complete (same model and settings); nothing to do", out)
+        return {"complete": True}
+    fault = Fault.parse(cfg.fault)
+    n = len(plan.blocks)
+    state.load_manifest()
+    points = [None] * world
+    dist.all_gather_object(points, state.restart_points(need_chain=False, n_blocks=n))
+    start = max(set.intersection(*(set(p) for p in points)))
+    fragments = state.truncate(start)
+    if start:
+        logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, n)
+    skipped = [nm for entry in state.manifest["blocks"] for nm in entry.get("skipped_nonfinite", [])]
+    owner = split_by_bytes(plan.units, world)
+    mine = [u for u, r in zip(plan.units, owner) if r == rank]
+    problems: list[str] = []
+    logger.info("model-free: %s -> %s on %d rank(s): %d units, this rank %d (%.1f MB), from layer %d",
+                source.root, out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6, start)
+    for b in range(start, n):
+        if problems:
+            break
+        tensors, bad = {}, []
+        for u in (u for u in mine if u.block == b):
+            t, sk, pr = _quantize_unit(u, reader, cfg.skip_nonfinite)
+            tensors.update(t)
+            bad += sk
+            problems += pr
+        if problems:
+            break
+        shard = shard_name(rank, b)
+        die = (lambda: maybe_die(fault, "mid-shard-write", rank, b)) if fault is not None and \
+            fault.hit("mid-shard-write", rank, b) else None
+        rec = writer.write_shard(out, shard, tensors, die_midway=die, checksum=cfg.bookkeeping)
+        maybe_die(fault, "after-shard-write", rank, b)
+        if rec:
+            fragments.update({k: shard for k in rec["tensors"]})
+        state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
+        skipped += bad
+        del tensors
+        trim_heap()
+    every = [None] * world
+    dist.all_gather_object(every, problems)  # every rank meets here, done or refused
+    problems = [p for ps in every for p in ps]
+    if problems:
+        raise SqError(problems)
+    return _finish(cfg, plan, reader, source, assigner, sig, state, fault, fragments, skipped, start, t_start)
+
+
+def _finish(cfg, plan, reader, source, assigner, sig, state, fault, fragments, skipped, start, t_start) -> dict:
+    """Rank 0: root and carried tensors, config, side files, report, the index last; every rank learns how it went."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(cfg.output)
+    all_frags, all_skipped = [None] * world, [None] * world
+    dist.all_gather_object(all_frags, fragments)
+    dist.all_gather_object(all_skipped, skipped)
+    report, err = {}, None
+    if rank == 0:
+        try:
+            frags = list(all_frags)
+            frags.append(writer.write_tensors(out, shard_name(0, None), {k: reader.weight(k) for k in plan.root}))
+            frags.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False)
+                                                                  for k in plan.carried}))
+            skip = sorted({s for ss in all_skipped for s in ss})
+            config = dict(source.config)
+            config["quantization_config"] = quantization_config(_config_groups(plan, set(skip)),
+                                                                sorted({*plan.unquantized, *skip}))
+            writer.write_json(out / "config.json", config)
+            report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
+                      "assignment": plan.assignment, "world_size": world, "ignored_linears": sorted(plan.unquantized),
+                      "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
+                      "seconds": round(time.perf_counter() - t_start, 3)}
+            report["side_files"] = writer.copy_side_files(source.root, out)
+            report["run_signature"], report["run_signature_sha256"] = sig, signature_sha(sig)
+            writer.write_json(out / REPORT_NAME, report)
+            writer.merge_index(out, frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
+            state.finish()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
+            err = e
+    all_ok(err is None, "writing the config, report and index")
+    if err is not None:
+        raise err
+    return report
+
+
+# transformers' usual module order inside a layer (the model path lists Linears in module order)
+_LEAF_ORDER = {leaf: i for i, leaf in enumerate(
+    ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "kv_a_proj_with_mqa", "kv_b_proj", "v_proj", "o_proj",
+     "gate_proj", "w1", "up_proj", "w3", "down_proj", "w2"))}
+
+
+def _module_order(name: str) -> tuple:
+    """Sort key approximating module registration order: layer, attention before MLP, known leaves in
+    transformers' order (the config's group order and target lists then match the model path's)."""
+    m = _LAYER.match(name)
+    layer, rest = (int(m["i"]), m["rest"]) if m else (-1, name)
+    parent, _, leaf = rest.rpartition(".")
+    return (layer, 0 if "attn" in parent or "attention" in parent else 1, parent, _LEAF_ORDER.get(leaf, 99), leaf)
+
+
+def _config_groups(plan: Plan, skipped: set[str]) -> dict:
+    """``{scheme: targets}`` as the model path builds them: the largest group ``Linear``, others by name."""
+    members: dict = {}
+    for name, scheme in sorted(plan.dense.items(), key=lambda kv: _module_order(kv[0])):
+        if name not in skipped:
+            members.setdefault(scheme, []).append(name)
+    for group, (scheme, names) in plan.experts.items():
+        members.setdefault(scheme, []).extend(names)
+    if len(members) <= 1:
+        return {s: ["Linear"] for s in members}
+    biggest = max(members, key=lambda s: len(members[s]))
+    return {s: (["Linear"] if s == biggest else names) for s, names in members.items()}
