@@ -136,6 +136,23 @@ def all_ok(ok: bool, what: str) -> None:
         raise DistError(f"{what} failed on rank(s) {bad}")
 
 
+def rank0_stage(fn: Callable[[], T], what: str) -> T | None:
+    """``fn()`` on rank 0, then every rank learns whether it worked before going on: a failure
+    there fails the job on every rank (rank 0 re-raises its own error, the others a ``DistError``)
+    and no rank tears down while rank 0 still works.  Returns ``fn``'s result on rank 0, None
+    elsewhere."""
+    result, err = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
+            err = e
+    all_ok(err is None, what)
+    if err is not None:
+        raise err
+    return result
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from sq.dist import all_ok
+from sq.dist import all_ok, rank0_stage
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
@@ -504,38 +504,34 @@ def quantize_checkpoint(cfg) -> dict:
 
 def _finish(cfg, plan, reader, source, assigner, sig, state, fault, fragments, skipped, start, t_start) -> dict:
     """Rank 0: root and carried tensors, config, side files, report, the index last; every rank learns how it went."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     out = Path(cfg.output)
     all_frags, all_skipped = [None] * world, [None] * world
     dist.all_gather_object(all_frags, fragments)
     dist.all_gather_object(all_skipped, skipped)
-    report, err = {}, None
-    if rank == 0:
-        try:
-            frags = list(all_frags)
-            frags.append(writer.write_tensors(out, shard_name(0, None), {k: reader.weight(k) for k in plan.root}))
-            frags.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False)
-                                                                  for k in plan.carried}))
-            skip = sorted({s for ss in all_skipped for s in ss})
-            config = dict(source.config)
-            config["quantization_config"] = quantization_config(_config_groups(plan, set(skip)),
-                                                                sorted({*plan.unquantized, *skip}))
-            writer.write_json(out / "config.json", config)
-            report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
-                      "assignment": plan.assignment, "world_size": world, "ignored_linears": sorted(plan.unquantized),
-                      "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
-                      "seconds": round(time.perf_counter() - t_start, 3)}
-            report["side_files"] = writer.copy_side_files(source.root, out)
-            report["run_signature"], report["run_signature_sha256"] = sig, signature_sha(sig)
-            writer.write_json(out / REPORT_NAME, report)
-            writer.merge_index(out, frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
-            state.finish()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
-            err = e
-    all_ok(err is None, "writing the config, report and index")
-    if err is not None:
-        raise err
-    return report
+
+    def final() -> dict:  # rank 0
+        frags = list(all_frags)
+        frags.append(writer.write_tensors(out, shard_name(0, None), {k: reader.weight(k) for k in plan.root}))
+        frags.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False)
+                                                              for k in plan.carried}))
+        skip = sorted({s for ss in all_skipped for s in ss})
+        config = dict(source.config)
+        config["quantization_config"] = quantization_config(_config_groups(plan, set(skip)),
+                                                            sorted({*plan.unquantized, *skip}))
+        writer.write_json(out / "config.json", config)
+        report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
+                  "assignment": plan.assignment, "world_size": world, "ignored_linears": sorted(plan.unquantized),
+                  "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
+                  "seconds": round(time.perf_counter() - t_start, 3)}
+        report["side_files"] = writer.copy_side_files(source.root, out)
+        report["run_signature"], report["run_signature_sha256"] = sig, signature_sha(sig)
+        writer.write_json(out / REPORT_NAME, report)
+        writer.merge_index(out, frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
+        state.finish()
+        return report
+
+    return rank0_stage(final, "writing the config, report and index") or {}
 
 
 # transformers' usual module order inside a layer (the model path lists Linears in module order)

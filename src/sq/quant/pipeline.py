@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.dist import all_ok, broadcast_object
+from sq.dist import all_ok, broadcast_object, rank0_stage
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
@@ -642,22 +642,15 @@ class _Pipeline:
         all_frags, all_mine = [None] * world, [None] * world
         dist.all_gather_object(all_frags, self.fragments)
         dist.all_gather_object(all_mine, mine)
-        # rank 0 writes config, side files, report and (last) the index; every rank learns how that
-        # went, so a failure there fails the whole job and no rank tears down while rank 0 still works
-        report, err = {}, None
-        if rank == 0:
-            try:
-                report = self._report(all_mine, start)
-                groups = _config_groups(self.targets, weights)
-                unquantized = sorted({*self.targets.unquantized, *self.skipped})
-                _finish(self.out, weights, groups, unquantized, report, all_frags, self.fault, self.state,
-                        kv_cache_args(self.cfg.kv_cache))
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
-                err = e
-        all_ok(err is None, "writing the config, report and index")
-        if err is not None:
-            raise err
-        return report
+        def final() -> dict:  # rank 0: config, side files, report and (last) the index
+            report = self._report(all_mine, start)
+            groups = _config_groups(self.targets, weights)
+            unquantized = sorted({*self.targets.unquantized, *self.skipped})
+            _finish(self.out, weights, groups, unquantized, report, all_frags, self.fault, self.state,
+                    kv_cache_args(self.cfg.kv_cache))
+            return report
+
+        return rank0_stage(final, "writing the config, report and index") or {}
 
     def _report(self, all_mine: list, start: int) -> dict:
         cfg, weights = self.cfg, self.weights
