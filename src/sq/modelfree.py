@@ -52,6 +52,7 @@ from sq.quant import rtn
 from sq.quant.algorithms import rtn_rows
 from sq.quant.recipe import make_assigner, scheme_tag
 from sq.quant.schemes import check_group_size
+from sq.report import block_progress
 from sq.resume import Fault, RunState, maybe_die, signature_sha, source_identity
 
 logger = logging.getLogger(__name__)
@@ -472,9 +473,11 @@ def quantize_checkpoint(cfg) -> dict:
     problems: list[str] = []
     logger.info("model-free: %s -> %s on %d rank(s): %d units, this rank %d (%.1f MB), from layer %d",
                 source.root, out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6, start)
+    progress = block_progress(n, start, bar=rank == 0)
     for b in range(start, n):
         if problems:
             break
+        t_block = time.perf_counter()
         tensors, bad = {}, []
         for u in (u for u in mine if u.block == b):
             t, sk, pr = _quantize_unit(u, reader, cfg.skip_nonfinite)
@@ -494,6 +497,8 @@ def quantize_checkpoint(cfg) -> dict:
         skipped += bad
         del tensors
         trim_heap()
+        progress.step(b, time.perf_counter() - t_block)
+    progress.close()
     every = [None] * world
     dist.all_gather_object(every, problems)  # every rank meets here, done or refused
     problems = [p for ps in every for p in ps]
