@@ -9,6 +9,7 @@ and one import line below.
 from sq.quant.algorithms import rtn  # noqa: F401  isort: skip
 from sq.quant.algorithms import gptq  # noqa: F401  isort: skip
 from sq.quant.algorithms import signround  # noqa: F401  isort: skip
+from sq.quant.algorithms import awq  # noqa: F401  isort: skip
 from sq.quant.algorithms.base import (Algorithm, BlockWork, Solved, add_arguments, algo_config, algorithm_names,
                                       config_from_namespace, config_type, make_algorithm, register, rtn_rows)
 from sq.quant.settings import AlgoConfig, option
