@@ -93,3 +93,12 @@ def exact_bits(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
     return t
+
+
+def checkpoint_bit_diff(a_dir, b_dir) -> list[str]:
+    """Tensors two checkpoint folders do not share bit for bit (dtype, shape and bits; a name in one
+    folder only counts as a difference)."""
+    a, b = read_tensors(a_dir), read_tensors(b_dir)
+    return sorted(k for k in a.keys() | b.keys()
+                  if k not in a or k not in b or a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+                  or not torch.equal(exact_bits(a[k]), exact_bits(b[k])))

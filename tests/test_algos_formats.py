@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from quant_ref import exact_bits, quantize_jobs, read_tensors
+from quant_ref import checkpoint_bit_diff, exact_bits, quantize_jobs, read_tensors
 from sq.quant import rtn
 from sq.quant.algorithms.base import rtn_rows
 from sq.quant.gptq import GPTQ
@@ -184,9 +184,7 @@ def test_gptq_one_and_two_ranks_write_the_same_bits(runs, preset):
     the same all-reduced global scale, so the world size does not change a bit here."""
     root, errors, one = runs
     assert one[preset] is None, one[preset]
-    a, b = read_tensors(root / f"gptq-{preset}-w1"), read_tensors(root / f"gptq-{preset}-w2")
-    assert a.keys() == b.keys()
-    diff = [k for k in a if not _same_bits(a[k], b[k])]
+    diff = checkpoint_bit_diff(root / f"gptq-{preset}-w1", root / f"gptq-{preset}-w2")
     assert not diff, diff[:5]
 
 
@@ -194,9 +192,7 @@ def test_gptq_one_and_two_ranks_write_the_same_bits(runs, preset):
 def test_signround_no_steps_is_rtn(runs, preset):
     root, errors, _ = runs
     assert errors[f"sr0-{preset}"] is None and errors[f"rtn-{preset}"] is None, errors
-    a, b = read_tensors(root / f"sr0-{preset}"), read_tensors(root / f"rtn-{preset}")
-    assert a.keys() == b.keys()
-    diff = [k for k in a if not _same_bits(a[k], b[k])]
+    diff = checkpoint_bit_diff(root / f"sr0-{preset}", root / f"rtn-{preset}")
     assert not diff, diff[:5]
 
 
