@@ -331,11 +331,11 @@ def round_to_e2m1(x: Tensor) -> Tensor:
     2.5 -> 2, 3.5 -> 4, 5 -> 4; beyond 6 -> 6), and the same ``sign(x) * |value|`` so a negative
     value rounding to zero keeps the library's sign bit.
     """
-    a = x.abs()
-    a32 = a.to(_stat_dtype(a.dtype))  # exact; bucketize wants a common dtype
+    a32 = x.abs().to(_stat_dtype(x.dtype)).unsqueeze(-1)  # exact
     mids = torch.tensor(_E2M1_MIDPOINTS, dtype=a32.dtype, device=x.device)
-    lo = torch.bucketize(a32, mids, right=False)  # a tie goes to the smaller code
-    hi = torch.bucketize(a32, mids, right=True)  # ... or the larger; pick the even one
+    # counting midpoints below |x| (bucketize's answer, ~10x cheaper on CPU for GPTQ's columns):
+    lo = (a32 > mids).sum(-1)  # a tie goes to the smaller code
+    hi = (a32 >= mids).sum(-1)  # ... or the larger; pick the even one
     code = torch.where(lo % 2 == 0, lo, hi)
     values = torch.tensor(_E2M1_VALUES, dtype=x.dtype, device=x.device)[code]
     return torch.sign(x) * values
