@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from sq.dist import all_ok, rank0_stage
+from sq.dist import rank0_stage
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
@@ -50,6 +50,7 @@ from sq.load.source import scan_checkpoint
 from sq.memory import trim_heap
 from sq.quant import rtn
 from sq.quant.algorithms import rtn_rows
+from sq.quant.pipeline import claim_output, raise_all, versions
 from sq.quant.recipe import make_assigner, scheme_tag
 from sq.quant.schemes import check_group_size
 from sq.report import block_progress
@@ -396,12 +397,6 @@ def wanted(cfg, model_free: bool) -> bool:
     return False
 
 
-def _raise_all(problems: list[str], what: str) -> None:
-    all_ok(not problems, what)
-    if problems:
-        raise SqError(problems)
-
-
 def _prepare(cfg):
     """Every refusal, identical on every rank, before anything is written: (plan, reader, source, assigner)."""
     from sq.demo import resolve_model_dist
@@ -414,7 +409,7 @@ def _prepare(cfg):
         problems += e.problems
     if assigner is not None:
         problems += data_free_problems(cfg, assigner, "--model-free")
-    _raise_all(problems, "argument checks")
+    raise_all(problems, "argument checks")
     src = Path(resolve_model_dist(cfg.model))
     source = scan_checkpoint(src)
     problems = list(source.problems)
@@ -431,13 +426,11 @@ def _prepare(cfg):
         if not plan.assignment:
             problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
     problems += writer.output_path_problems(cfg.output, src)
-    _raise_all(problems, "checkpoint checks")
+    raise_all(problems, "checkpoint checks")
     return plan, _Reader(source, layout, _dtype_of(source.config)), source, assigner
 
 
 def _signature(cfg, plan: Plan, source, assigner, world: int) -> dict:
-    from sq.quant.pipeline import versions
-
     return {"mode": "model-free", "source": source_identity(source), "job": cfg.signature_args(calibrated=False),
             "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
             "world_size": world, "blocks": plan.blocks, "versions": versions()}
@@ -447,8 +440,6 @@ def _signature(cfg, plan: Plan, source, assigner, world: int) -> dict:
 def quantize_checkpoint(cfg) -> dict:
     """``sq.ptq --model-free``: a checkpoint folder in, a compressed-tensors checkpoint out, no model
     built.  Runs inside an initialized process group; the report on rank 0, ``{}`` elsewhere."""
-    from sq.quant.pipeline import claim_output
-
     t_start = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     plan, reader, source, assigner = _prepare(cfg)

@@ -116,6 +116,10 @@ class PTQConfig:
             return f"--kv-cache {self.kv_cache}"
         return None
 
+    def observes(self, assigner) -> bool:
+        """Whether the job writes calibrated activation or KV cache scales (an observed forward per block)."""
+        return self.kv_cache != "none" or observes_activations(assigner)
+
     def needs_data(self, assigner) -> bool:
         return self.data_reason(assigner) is not None
 

@@ -27,6 +27,7 @@ from sq.anatomy import EXPERT_PARAMS
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
 from sq.parallel.collectives import all_gather_rows
+from sq.quant.formats import ActivationObserver
 from sq.quant.gptq import GPTQ
 
 
@@ -84,6 +85,13 @@ class SlotStats:
     lo: int
     hi: int
     stats: dict[str, torch.Tensor]
+
+
+def segment_rows(w: torch.Tensor, r0: int, lo: int, hi: int) -> tuple[torch.Tensor, int]:
+    """The rows of segment ``[lo, hi)`` of ``param[e]`` among a rank's local rows ``w`` (rows
+    ``[r0, r0 + len(w))`` of ``param[e]``), possibly none, and the first one's offset in the segment."""
+    a, b = max(lo, r0), min(hi, r0 + w.shape[0])
+    return (w[a - r0:b - r0] if b > a else w[:0]), max(a - lo, 0)
 
 
 def slot_rows(slots: list[ExpertSlot]) -> dict[tuple[int, str], list[tuple[int, int]]]:
@@ -191,10 +199,8 @@ class ExpertCalibration:
 
 
 def _absmax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` as float32 ``[1]`` (exact for bf16 / fp16 values; 0 for no values)."""
-    if x.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=x.device)
-    return torch.maximum(x.amax(), -x.amin()).float().reshape(1).clamp_min(0)
+    """``max |x|`` as float32 ``[1]`` (0 for no values): the activation observers' statistic."""
+    return ActivationObserver.local(x).float()
 
 
 def full_expert_rows(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

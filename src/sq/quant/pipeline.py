@@ -44,9 +44,10 @@ from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, partner_g
 from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.quant import formats, rtn
-from sq.quant.activations import ActivationObservation, kv_cache_args, kv_cache_problems, observes_activations
+from sq.quant.activations import ActivationObservation, kv_cache_args, kv_cache_problems
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
-from sq.quant.experts import SlotStats, export_slots, full_expert_rows, is_ep_param, local_experts, slot_rows
+from sq.quant.experts import (SlotStats, export_slots, full_expert_rows, is_ep_param, local_experts, segment_rows,
+                              slot_rows)
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.quant.schemes import QuantScheme, check_group_size
@@ -155,8 +156,7 @@ def _row_shard_problems(targets: Targets) -> list[str]:
     """The row-independence contract, enforced: every rank quantizes only its rows, so a scheme whose
     scales read statistics across rows must declare them as reductions (``sq.quant.formats``; the
     ``reduce`` stage all-reduces them before any rank solves; on fused experts per checkpoint tensor:
-    gate, up and down of each expert apart).  Refused too, until wired: calibrated activation scales
-    (static FP8 / NVFP4 W4A4 inputs)."""
+    gate, up and down of each expert apart)."""
     dense = {l.scheme for ls in targets.linears for l in ls}
     experts = {s for es in targets.experts for _, _, s in es}
     problems = []
@@ -324,7 +324,7 @@ class _Pipeline:
         # calibration data: for the algorithm, or to observe static activation / KV cache scales (then
         # one observed forward per block, before the solve: sq.quant.activations)
         self.calibrated = cfg.needs_data(assigner)
-        self.observing = cfg.kv_cache != "none" or observes_activations(assigner)
+        self.observing = cfg.observes(assigner)
         self.targets = plan_targets(model, assigner, weights, self.world)
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
@@ -464,16 +464,14 @@ class _Pipeline:
             for pname in EXPERT_PARAMS:
                 p = ex._parameters[pname]
                 local, off = local_box(p)  # [n_local, rows_local, in]: rows [r0, r0 + rows_local) of each expert
-                r0, n = off[1], local.shape[1]
+                r0 = off[1]
                 per_expert = []
                 for i in range(local.shape[0]):
                     segs = slots[off[0] + i, pname] if per_slot else [(0, p.shape[1])]
                     entry = []
                     for lo, hi in segs:
-                        a, b = max(lo, r0), min(hi, r0 + n)
-                        rows_ab = local[i, a - r0:b - r0] if b > a else local[i, :0]
-                        entry.append(SlotStats(lo, hi, rtn.local_stats(rows_ab, scheme, row_offset=max(a - lo, 0),
-                                                                         rows=hi - lo)))
+                        rows, at = segment_rows(local[i], r0, lo, hi)
+                        entry.append(SlotStats(lo, hi, rtn.local_stats(rows, scheme, row_offset=at, rows=hi - lo)))
                     per_expert.append(entry)
                 every = [seg.stats for entry in per_expert for seg in entry]
                 if every and is_ep_param(p) and p.device_mesh.size(0) > 1:  # an expert's rows are split over dp
@@ -642,6 +640,7 @@ class _Pipeline:
         all_frags, all_mine = [None] * world, [None] * world
         dist.all_gather_object(all_frags, self.fragments)
         dist.all_gather_object(all_mine, mine)
+
         def final() -> dict:  # rank 0: config, side files, report and (last) the index
             report = self._report(all_mine, start)
             groups = _config_groups(self.targets, weights)

@@ -33,7 +33,7 @@ import torch.nn as nn
 from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.quant import rtn
-from sq.quant.experts import local_experts
+from sq.quant.experts import local_experts, segment_rows
 from sq.quant.settings import AlgoConfig
 
 __all__ = ["Algorithm", "BlockWork", "Solved", "rtn_rows", "register", "algorithm_names", "config_type",
@@ -144,9 +144,8 @@ class Algorithm:
         r0 = local_box(ex._parameters[pname])[1][1]
         parts = []
         for seg in segs:
-            a, b = max(seg.lo, r0), min(seg.hi, r0 + w.shape[0])
-            rows = w[a - r0:b - r0] if b > a else w[:0]
-            parts.append(rtn_rows(rows, scheme, seg.stats, max(a - seg.lo, 0)))
+            rows, at = segment_rows(w, r0, seg.lo, seg.hi)
+            parts.append(rtn_rows(rows, scheme, seg.stats, at))
 
         def cat(ts):
             return ts[0] if len(ts) == 1 else torch.cat(ts)
