@@ -64,6 +64,9 @@ def build_parser() -> ArgParser:
     p.add_argument("--kv-cache", default=job["kv_cache"], choices=("none", "fp8"),
                    help="fp8: write calibrated per-layer k_scale / v_scale for an fp8 KV cache (kv_cache_scheme; "
                         "reads calibration data)")
+    p.add_argument("--calib-dtype", default=job["calib_dtype"], choices=("auto", "float32", "model"),
+                   help="what calibration forwards compute in: auto (float32 on CPU, the model's dtype on GPU), "
+                        "float32, or model; weights keep the checkpoint's dtype (part of the resume signature)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
@@ -92,6 +95,7 @@ def parse_args(argv=None, with_model_free: bool = False):
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
                      skip_nonfinite=a.skip_nonfinite, trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache,
+                     calib_dtype=a.calib_dtype,
                      fault=os.environ.get("SQ_FAULT"))
     return (cfg, a.model_free) if with_model_free else cfg
 

@@ -247,8 +247,13 @@ def free(model: nn.Module, plan: LoadPlan, names) -> None:
 
 
 def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: torch.dtype | None = None,
-                 trust_remote_code: bool = False, device: torch.device | str | None = None) -> nn.Module:
+                 trust_remote_code: bool = False, device: torch.device | str | None = None,
+                 compute_dtype: torch.dtype | None = None) -> nn.Module:
     """Build, plan, shard and fill the whole model inside an initialized process group.
+
+    ``compute_dtype``: the dtype its forwards compute in (FSDP2 mixed precision: the shards keep
+    ``dtype``); ``torch.float32`` makes ``sq.quantize``'s calibration about twice as fast on a CPU
+    without native bfloat16 matmuls.  None: the parameters' dtype.
 
     Returns the model with DTensor parameters (this rank's shards filled); ``model.sq_plan``
     holds the ``LoadPlan`` (carried-over keys, block names) for the steps that follow.
@@ -261,7 +266,7 @@ def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: t
     plan = plan_load(model, checkpoint_dir, trust_remote_code=trust_remote_code)
     if mesh is None:
         mesh = ParallelDims(dist.get_world_size(), ep).build_mesh(torch.device(device).type)
-    apply_parallel(model, mesh)
+    apply_parallel(model, mesh, compute_dtype=compute_dtype)
     fill(model, plan, plan.root_names, device=device)
     for names in plan.block_names:
         fill(model, plan, names, device=device)

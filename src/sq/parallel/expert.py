@@ -61,8 +61,10 @@ def ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top
     out = torch.zeros(h_all.shape[0], width, dtype=hidden_states.dtype, device=hidden_states.device)
     experts = local_expert_range(self.num_experts, mesh)
     # [E_local, rows_dp, cols] -> [E_local, rows, cols]: this rank's experts with every row
-    gate_up = all_gather_rows(self.gate_up_proj.to_local(), dim=1, group=dp_group)
-    down = all_gather_rows(self.down_proj.to_local(), dim=1, group=dp_group)
+    # cast to the tokens' dtype, as FSDP2's mixed precision casts the experts it holds (--ep 1), so
+    # that ep 1 and ep > 1 compute the same
+    gate_up = all_gather_rows(self.gate_up_proj.to_local(), dim=1, group=dp_group).to(hidden_states.dtype)
+    down = all_gather_rows(self.down_proj.to_local(), dim=1, group=dp_group).to(hidden_states.dtype)
     for i, e in enumerate(experts):
         token_idx, pos = torch.where(idx_all == e)
         if token_idx.numel() == 0:

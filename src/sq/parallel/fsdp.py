@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from sq.dist import world_mesh
 from sq.errors import LoadRefused
@@ -29,13 +29,19 @@ def root_param_problems(model: nn.Module) -> list[str]:
             "sq shards the decoder blocks and the root's submodules, not bare root parameters"] if own else []
 
 
-def apply_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard a meta model in place: EP on experts (if the mesh has ep > 1), FSDP2 on blocks and root."""
+def apply_parallel(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard a meta model in place: EP on experts (if the mesh has ep > 1), FSDP2 on blocks and root.
+
+    ``compute_dtype``: forwards compute in it (FSDP2 casts each unit's gathered parameters and its
+    floating inputs; the shards keep the checkpoint's dtype); the expert-parallel forward casts its
+    experts' weights to the tokens' dtype the same way.  None: the parameters' own dtype.
+    """
     problems = root_param_problems(model)
     if problems:
         raise LoadRefused(problems)
     flat = world_mesh(mesh)
     ep = mesh.size(1) if mesh.ndim == 2 else 1
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype)
 
     for _, block in decoder_blocks(model):
         ignored = set()
@@ -45,9 +51,9 @@ def apply_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                 shard_experts(ex, mesh)
                 ignored.update(p for p in ex.parameters(recurse=False))
         for sub in _other_dtype_modules(block, ignored):
-            fully_shard(sub, mesh=flat, reshard_after_forward=True)
-        fully_shard(block, mesh=flat, reshard_after_forward=True, ignored_params=ignored or None)
-    fully_shard(model, mesh=flat, reshard_after_forward=True)
+            fully_shard(sub, mesh=flat, reshard_after_forward=True, mp_policy=mp)
+        fully_shard(block, mesh=flat, reshard_after_forward=True, ignored_params=ignored or None, mp_policy=mp)
+    fully_shard(model, mesh=flat, reshard_after_forward=True, mp_policy=mp)
     return model
 
 
@@ -58,15 +64,22 @@ def _other_dtype_modules(block: nn.Module, ignored: set) -> list[nn.Module]:
     in float32 (transformers' ``_keep_in_fp32_modules_strict``), and its block's forward would
     fail with "FSDP expects uniform original parameter dtype".
     """
-    numel: dict[torch.dtype, int] = {}
-    for p in block.parameters():
-        if p not in ignored:
-            numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
-    if len(numel) < 2:
+    main = main_dtype(block, ignored)
+    if all(p.dtype == main for p in block.parameters() if p not in ignored):
         return []
-    main = max(sorted(numel, key=str), key=numel.get)  # by elements, ties by name: the same on every rank
     return [m for m in block.modules() if m is not block
             and any(p.dtype != main for p in m.parameters(recurse=False) if p not in ignored)]
+
+
+def main_dtype(module: nn.Module, ignored=()) -> torch.dtype | None:
+    """The dtype of most of ``module``'s parameter elements (ties by name: the same on every rank);
+    None without parameters.  Read before any forward (FSDP2 then registers its sharded parameters,
+    in the checkpoint's dtype, whatever the forwards compute in)."""
+    numel: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p not in ignored:
+            numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+    return max(sorted(numel, key=str), key=numel.get) if numel else None
 
 
 class unsharded:

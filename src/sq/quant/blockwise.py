@@ -35,7 +35,9 @@ from sq.quant.weights import CheckpointWeights
 __all__ = ["PTQConfig", "quantize_model"]
 
 # job settings read only by algorithms that run calibration data (not in an RTN run's signature)
-CALIBRATION_FIELDS = ("nsamples", "seqlen", "seed", "dataset", "calibrate_all_experts")
+CALIBRATION_FIELDS = ("nsamples", "seqlen", "seed", "dataset", "calibrate_all_experts", "calib_dtype")
+# --calib-dtype words: the dtype calibration forwards compute in (``PTQConfig.compute_dtype``)
+CALIB_DTYPES = ("auto", "float32", "model")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class PTQConfig:
     ep: int = 1
     resume: str = "auto"  # auto | never | require
     kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
+    calib_dtype: str = "auto"  # auto | float32 | model: what calibration forwards compute in (compute_dtype)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
@@ -90,6 +93,8 @@ class PTQConfig:
             v = getattr(self, flag)
             if v <= 0:
                 out.append(f"--{flag} must be positive, got {v}")
+        if self.calib_dtype not in CALIB_DTYPES:
+            out.append(f"--calib-dtype must be one of {', '.join(CALIB_DTYPES)}, got {self.calib_dtype!r}")
         if self.kv_cache not in KV_CACHE_SCHEMES:
             out.append(f"--kv-cache must be one of {', '.join(KV_CACHE_SCHEMES)}, got {self.kv_cache!r}")
         if not 0 < self.timeout_s < float("inf"):  # NaN fails too; the collective timeout is a timedelta
@@ -119,6 +124,19 @@ class PTQConfig:
     def observes(self, assigner) -> bool:
         """Whether the job writes calibrated activation or KV cache scales (an observed forward per block)."""
         return self.kv_cache != "none" or observes_activations(assigner)
+
+    def compute_dtype(self, device_type: str) -> torch.dtype | None:
+        """The dtype the calibration forwards compute in (None: the model's own).
+
+        ``auto``: float32 on CPU, where bfloat16 matmuls without native support run at about half
+        float32's speed (a SmolLM2 block forward 5.2 s in bf16, 2.7 s in fp32 on the 2-core AMD EPYC
+        of docs/benchmarks.md), and the model's dtype on GPU.  The weights stay in the checkpoint's
+        dtype (FSDP2 casts the gathered copies: ``sq.parallel.fsdp.apply_parallel``); every quantized
+        value is computed from them exactly as before, only the activations are more precise.
+        """
+        if self.calib_dtype == "float32" or (self.calib_dtype == "auto" and device_type == "cpu"):
+            return torch.float32
+        return None
 
     def needs_data(self, assigner) -> bool:
         return self.data_reason(assigner) is not None
@@ -183,6 +201,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     calib = calibration_windows(tokenize_corpus(tokenizer, text), cfg.nsamples, cfg.seqlen) if text is not None else None
     data = {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None}
     return run_pipeline(cfg, model, weights, assigner, data, lambda: calib,
-                        parallelize=lambda: apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type)),
+                        parallelize=lambda: apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type),
+                                                           compute_dtype=cfg.compute_dtype(device.type)),
                         t_start=t_start)
 

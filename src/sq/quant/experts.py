@@ -164,6 +164,7 @@ class ExpertCalibration:
                 return out
             p = module.gate_up_proj
             gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I, H]
+            gate_up = gate_up.to(h_all.dtype)  # as the experts' own forward computes (sq.parallel.expert)
             first = calib.mine.start if is_ep_param(module.gate_up_proj) else 0
             if calib.calibrate_all and calib.hessians:
                 calib.h_in[calib.mine.start].add_batch(h_all)  # the one shared accumulator

@@ -21,12 +21,15 @@ class _StopForward(Exception):
     """Raised by the block-0 pre-hook once its inputs are captured."""
 
 
-def capture_block0(model: nn.Module, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
+def capture_block0(model: nn.Module, windows: torch.Tensor, device,
+                   dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, dict]]:
     """Block-0 inputs ``[(hidden [b, seq, d], kwargs), ...]`` for each batch of ``windows [n, seq]``.
 
     The root FSDP unit is bypassed: its lazy init would insist every block is materialized.
     The inner model's own root parameters are swapped for full copies for the duration
-    (collective), and a pre-hook on block 0 (ahead of FSDP's) stops the forward.
+    (collective; cast to ``dtype``, the forwards' compute dtype, when given: the embeddings and
+    the rotary tables then come out in it), and a pre-hook on block 0 (ahead of FSDP's) stops
+    the forward.
     """
     inner = model.get_submodule(decoder_blocks(model)[0][0].rsplit(".", 2)[0])
     block0 = decoder_blocks(model)[0][1]
@@ -37,7 +40,10 @@ def capture_block0(model: nn.Module, windows: torch.Tensor, device) -> list[tupl
         for leaf, p in list(mod._parameters.items()):
             if isinstance(p, DTensor):
                 swapped.append((mod, leaf, p))
-                mod._parameters[leaf] = nn.Parameter(p.full_tensor(), requires_grad=False)
+                full = p.full_tensor()
+                if dtype is not None and full.is_floating_point():
+                    full = full.to(dtype)
+                mod._parameters[leaf] = nn.Parameter(full, requires_grad=False)
     captured = []
 
     def hook(module, args, kwargs):

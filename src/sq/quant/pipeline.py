@@ -43,6 +43,7 @@ from sq.load.fill import local_box
 from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups
 from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
+from sq.parallel.fsdp import main_dtype
 from sq.quant import formats, rtn
 from sq.quant.activations import ActivationObservation, kv_cache_args, kv_cache_problems
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
@@ -326,6 +327,10 @@ class _Pipeline:
         self.calibrated = cfg.needs_data(assigner)
         self.observing = cfg.observes(assigner)
         self.targets = plan_targets(model, assigner, weights, self.world)
+        # forwards compute in compute_dtype (None: as the model computes; the API's models keep their
+        # own FSDP2 mixed precision); weights and the checkpoint tensors stay in weight_dtype
+        self.compute_dtype = cfg.compute_dtype(self.device.type) if parallelize is not None else None
+        self.weight_dtype = main_dtype(self.targets.blocks[0][1]) if self.targets.blocks else None
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
 
@@ -335,6 +340,8 @@ class _Pipeline:
         cfg = self.cfg
         problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
         self.sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
+        if self.calibrated:  # the dtype the forwards actually compute in, resolved
+            self.sig["job"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         raise_all(problems, "model and output checks")
         if claim_output(self.out, self.sig, cfg.resume, self.state, self.rank) == "complete":
@@ -362,11 +369,16 @@ class _Pipeline:
         """This rank's samples ``rank::world`` -> block-0 inputs, or both chains from the cache."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.inputs = capture_block0(self.model, self.windows()[self.rank::self.world], self.device)
+        self.inputs = capture_block0(self.model, self.windows()[self.rank::self.world], self.device,
+                                     dtype=self.compute_dtype)
         self.steps = math.ceil(math.ceil(cfg.nsamples / self.world) / CALIB_BATCH)
         self.fp_inputs = self.inputs
         if start:  # both chains from the cache, never rebuilt approximately
             q_chain, fp_chain = self.state.read_chain(start)
+            if q_chain and q_chain[0].dtype != self.inputs[0][0].dtype:  # the same on every rank
+                raise SqError(f"{self.out}: the cached calibration chain is {q_chain[0].dtype}, this run's forwards "
+                              f"compute in {self.inputs[0][0].dtype} (the model's mixed precision changed); "
+                              "rerun as before, or pass --resume never")
             self.inputs = [(h, kw) for h, (_, kw) in zip(q_chain, self.inputs, strict=True)]
             if self.algo.fp_chain:
                 self.fp_inputs = [(h, kw) for h, (_, kw) in zip(fp_chain, self.fp_inputs, strict=True)]
@@ -383,7 +395,8 @@ class _Pipeline:
         bad = self._check_finite(b)
         work = BlockWork(b, prefix, block, self.targets.linears[b], self.targets.experts[b], self.inputs,
                          self.fp_inputs, self.steps, self.dummy, self.device, self.rank, self.world,
-                         self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts)
+                         self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts,
+                         weight_dtype=self.weight_dtype)
         self._reduce(work)
         t = time.perf_counter()
         observed_out = None
@@ -492,12 +505,8 @@ class _Pipeline:
         finally:
             obs.remove()
         obs.reduce()
-        return obs.scales(self._act_dtype), outs
-
-    @property
-    def _act_dtype(self) -> torch.dtype:
-        """The activations' dtype (the block inputs'): the static scales are computed in it."""
-        return self.inputs[0][0].dtype
+        # the scales in the model's dtype, as a forward in it computes them (llm-compressor's)
+        return obs.scales(self.weight_dtype or self.inputs[0][0].dtype), outs
 
     def _solve(self, work: BlockWork):
         """This rank's rows of every target -> data; the dequantized rows go back into the shard."""

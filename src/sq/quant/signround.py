@@ -376,7 +376,8 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
         real = bool(mine)
         rows = mine if real else [0]
         with torch.enable_grad():
-            weights = [(s.module, s.pname, s.full_qdq()) for s in slots]
+            # the tuned weights as the checkpoint would hold them, seen in the forward's dtype
+            weights = [(s.module, s.pname, s.full_qdq().to(q_rows.dtype)) for s in slots]
             with _Swapped(weights):
                 y = _out(block.forward(q_rows[rows], **_batch_kwargs(kw0, micro, len(rows))))
             diff = (y.float() - fp_rows[rows].float())

@@ -292,13 +292,16 @@ class AWQAlgorithm(Algorithm):
             return None
         parent = block.get_submodule(m.parent)
         origs = [p.detach().clone() for p, _ in targets]
+        wd = work.weight_dtype or origs[0].dtype
         fp_out = [_run(parent, a, k) for a, k in cache]
         w_mean = weight_means([(o.reshape(-1, o.shape[-1]), sc) for o, (_, sc) in zip(origs, targets)])
         best = None
         try:
             for ratio, duo in grid(self.config.n_grid, self.config.duo_scaling):
                 s = candidate_scales(x_mean, w_mean, ratio, duo)
-                scaled = [(o.float() * s).to(o.dtype) if sc is not None else None for (_, sc), o in zip(targets, origs)]
+                # the candidate as the checkpoint would hold it (its dtype), quantized, then seen by the
+                # forward in the dtype it computes in
+                scaled = [(o.float() * s).to(wd) if sc is not None else None for (_, sc), o in zip(targets, origs)]
                 for (p, _), deq in zip(targets, _qdq(names, [sc for _, sc in targets], scaled)):
                     if deq is not None:
                         p.data.copy_((deq.float() / s).to(p.dtype))
@@ -354,7 +357,7 @@ class AWQAlgorithm(Algorithm):
         ratios, first = [0.0] * n_exp, None
         for ratio, duo in grid(self.config.n_grid, self.config.duo_scaling):
             s = torch.stack([candidate_scales(x_mean[e], w_mean[e], ratio, duo) for e in range(n_exp)])
-            w = (orig.float() * s[:, None, :]).to(orig.dtype)
+            w = (orig.float() * s[:, None, :]).to(work.weight_dtype or orig.dtype)
             wq = (_qdq(["experts"], [scheme], [w])[0].float() / s[:, None, :]).to(orig.dtype)
             err = torch.zeros(n_exp, 2, dtype=torch.float64, device=work.device)
             for e in range(n_exp):

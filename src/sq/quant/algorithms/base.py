@@ -90,6 +90,9 @@ class BlockWork:
     # Linear name, (experts prefix, expert, "in" | "mid"), attention module name
     acts: dict = field(default_factory=dict)
     expert_fallback: list[str] = field(default_factory=list)  # experts no token reached (RTN instead)
+    # the checkpoint's dtype of the block's weights; the forwards may compute in another
+    # (--calib-dtype: FSDP2 then gathers the weights cast to it)
+    weight_dtype: torch.dtype | None = None
 
 
 def rtn_rows(w: torch.Tensor, scheme, stats=None, row_offset: int = 0) -> Solved:
