@@ -30,7 +30,12 @@ report and, last, the index.  No collective runs between the refusals and the fi
 from __future__ import annotations
 
 import logging
+import math
+import os
+import queue
 import re
+import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +54,6 @@ from sq.load.meta import config_problems, model_type_problems, tokenizer_problem
 from sq.load.source import scan_checkpoint
 from sq.memory import trim_heap
 from sq.quant import rtn
-from sq.quant.algorithms import rtn_rows
 from sq.quant.pipeline import claim_output, raise_all, versions
 from sq.quant.recipe import make_assigner, scheme_tag
 from sq.quant.schemes import check_group_size
@@ -290,55 +294,223 @@ def split_by_bytes(units: list[Unit], world: int) -> list[int]:
 
 
 class _Reader:
-    """Whole tensors from the checkpoint, FP8 block-scaled weights dequantized per tile."""
+    """Checkpoint tensors by positional reads (``os.preadv`` into a tensor's own memory), converted
+    to what the model path holds: the config's dtype (float32 where transformers keeps a module in
+    float32), FP8 block-scaled weights dequantized per tile.
+
+    Why not ``safe_open``: a plain read releases the GIL while the disk works, so the read-ahead
+    thread (``_ReadAhead``) truly overlaps reading with quantizing, and a row range or one expert
+    of a fused tensor reads exactly its bytes.  ``fetch`` only reads (the thread's half);
+    ``convert`` only computes (the caller's).  Safe to use from two threads."""
 
     def __init__(self, source, layout, dtype: torch.dtype):
-        self.source, self.layout, self.dtype, self.handles = source, layout, dtype, {}
+        self.source, self.layout, self.dtype = source, layout, dtype
+        self.files: dict[str, tuple[int, int]] = {}  # file -> (fd, start of its data section)
+        self.lock = threading.Lock()
         fp32 = fp32_patterns(source.config, dtype)
         self.fp32 = re.compile("|".join(re.escape(p) for p in fp32)) if fp32 else None
 
-    def _handle(self, key: str):
-        from safetensors import safe_open
+    def _file(self, name: str) -> tuple[int, int]:
+        with self.lock:
+            if name not in self.files:
+                fd = os.open(self.source.path(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                head = os.pread(fd, 8, 0)
+                if len(head) != 8:
+                    os.close(fd)
+                    raise SqError(f"{self.source.path(name)} is shorter than a safetensors header")
+                self.files[name] = (fd, 8 + struct.unpack("<Q", head)[0])
+            return self.files[name]
 
-        f = self.source.tensors[key].file
-        if f not in self.handles:
-            self.handles[f] = safe_open(str(self.source.path(f)), framework="pt")
-        return self.handles[f]
+    def close(self) -> None:
+        with self.lock:
+            for fd, _ in self.files.values():
+                os.close(fd)
+            self.files.clear()
 
-    def raw(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
+    def read(self, key: str, lo: int = 0, hi: int | None = None, e: int | None = None) -> torch.Tensor:
+        """``key`` as stored: whole, or rows ``[lo, hi)`` of its first dimension, or of expert ``e``'s
+        rows of a fused 3-D tensor (rows of a C-contiguous tensor are one byte range: only it is read)."""
+        info = self.source.tensors[key]
+        fd, data = self._file(info.file)
+        if e is None and lo == 0 and hi is None:
+            first, shape = 0, info.shape
+            nbytes = info.nbytes
+        else:
+            rows, inner = (info.shape[0], info.shape[1:]) if e is None else (info.shape[1], info.shape[2:])
+            hi = rows if hi is None else hi
+            row_bytes = info.dtype.itemsize * math.prod(inner)
+            first, shape, nbytes = ((e or 0) * rows + lo) * row_bytes, (hi - lo, *inner), (hi - lo) * row_bytes
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view, done, at = memoryview(buf.numpy()), 0, data + info.offsets[0] + first
+        while done < nbytes:  # a read may return less than asked (and at most ~2 GB at a time)
+            got = os.preadv(fd, [view[done:]], at + done)
+            if got <= 0:
+                raise SqError(f"{self.source.path(info.file)} ends inside tensor {key}: the file is truncated")
+            done += got
+        return buf.view(info.dtype).reshape(shape)
 
-    def expert_rows(self, key: str, e: int, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` of expert ``e`` of a fused 3-D tensor (only those bytes read), in the model's dtype."""
-        t = self._handle(key).get_slice(key)[e:e + 1, lo:hi][0]
-        return t.to(self.dtype) if t.is_floating_point() else t
+    def fetch(self, key: str, lo: int = 0, hi: int | None = None, e: int | None = None):
+        """What ``convert`` needs for these rows: (rows as stored, their FP8 scale rows or None)."""
+        raw = self.read(key, lo, hi, e)
+        if e is not None or self.layout is None or key not in self.layout.scales:
+            return raw, None
+        br = self.layout.block[0]
+        return raw, self.read(self.layout.scales[key], lo // br, -(-(lo + len(raw)) // br))
 
-    def weight(self, key: str, cast: bool = True) -> torch.Tensor:
-        """``cast``: in the model's dtype (what the model path holds); else as stored (carried)."""
-        t = self.raw(key)
-        if self.layout is not None and key in self.layout.scales:
-            return fp8.dequantize(t, self.raw(self.layout.scales[key]), self.layout.block, self.dtype)
+    def fetch_unit(self, unit: Unit) -> list:
+        return [self.fetch(s.key, s.lo, s.hi, s.e) for s in unit.slots]
+
+    def convert(self, key: str, fetched, lo: int = 0, expert: bool = False, cast: bool = True) -> torch.Tensor:
+        """Fetched rows from row ``lo`` in the model's dtype (``cast``; else as stored, FP8 dequantized:
+        carried tensors); ``expert``: rows of a fused experts tensor (never float32, never FP8-scaled)."""
+        t, scale = fetched
+        if scale is not None:
+            out = torch.empty(t.shape, dtype=self.dtype)
+            br = self.layout.block[0]
+            fp8.dequantize_into(out, t, scale, (lo - lo // br * br, 0), self.layout.block)
+            return out
         if not (cast and t.is_floating_point()):
             return t
-        return t.to(torch.float32 if self.fp32 is not None and self.fp32.search(key) else self.dtype)
+        if expert or self.fp32 is None or not self.fp32.search(key):
+            return t.to(self.dtype)
+        return t.to(torch.float32)
+
+    def weight(self, key: str, cast: bool = True) -> torch.Tensor:
+        return self.convert(key, self.fetch(key), cast=cast)
 
 
-def _quantize_unit(unit: Unit, reader: _Reader, skip_nonfinite: bool) -> tuple[dict, list[str], list[str]]:
-    """The unit's output tensors, the Linears left unquantized for NaN/Inf, and refusals."""
+class _ReadAhead:
+    """This rank's units' tensors read by a background thread, at most ``depth`` units ahead of the
+    one being quantized, handed out in order by ``get``.
+
+    Why: the disk reads the next units while the CPU quantizes this one, so a rank runs at the
+    pace of the slower of the two instead of their sum.  ``depth`` bounds the memory (the unit being
+    quantized and ``depth`` read ones).  An exception in the thread is raised, as it is, by the
+    ``get`` of the unit it happened on."""
+
+    def __init__(self, reader: _Reader, units: list[Unit], depth: int = 2):
+        self.q: queue.Queue = queue.Queue()
+        self.room = threading.Semaphore(depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(reader, units), name="sq-read-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self, reader: _Reader, units: list[Unit]) -> None:
+        for u in units:
+            self.room.acquire()
+            if self.stop.is_set():
+                return
+            try:
+                self.q.put((reader.fetch_unit(u), None))
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                self.q.put((None, e))
+                return
+
+    def get(self) -> list:
+        """The next unit's fetched slots; the previous unit's place is free for one more read."""
+        fetched, error = self.q.get()
+        self.room.release()
+        if error is not None:
+            raise error
+        return fetched
+
+    def close(self) -> None:
+        self.stop.set()
+        self.room.release()  # a thread waiting for room wakes and sees the stop
+        self.thread.join()
+
+
+class _LayerWriter:
+    """This rank's finished layers written and recorded by a background thread, in order, one at a time.
+
+    Why: the next layer is read and quantized while this one goes to disk.  What resume relies on is
+    unchanged, because ``write`` (file written, fsynced, renamed; then the manifest entry) runs for
+    one layer after another exactly as in a loop: a kill -9 anywhere leaves what a sequential run
+    killed at that point leaves.  ``submit`` first waits until the previous layer is recorded (one
+    layer on its way to disk while the next is computed: memory for two).  An exception in the
+    thread stops all later writes and is raised again, as it is, by the next ``submit`` or ``close``."""
+
+    def __init__(self, write: Callable[..., None]):
+        self.write, self.error, self.closed = write, None, False
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.thread = threading.Thread(target=self._run, name="sq-layer-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    self.write(*item)
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                self.error = e
+            finally:
+                self.q.task_done()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, *item) -> None:
+        self.q.join()  # the previous layer is on disk and recorded (or failed)
+        self._raise()
+        self.q.put(item)
+
+    def close(self, check: bool = True) -> None:
+        """Wait for the layers submitted so far; ``check``: raise the thread's error, if any."""
+        if not self.closed:
+            self.closed = True
+            self.q.put(None)
+            self.thread.join()
+        if check:
+            self._raise()
+
+
+def _rtn(w: torch.Tensor, scheme, stats, row_offset: int = 0) -> dict:
+    """``rtn_rows``'s quantization of rows ``w`` (the same ``qparams`` and ``quantize`` calls, so the
+    same codes and scales) without the dequantized copy the model path writes back into its model
+    and this path never reads (for FP8_BLOCK it is most of the time)."""
+    qp = rtn.qparams(w, scheme, stats=stats)
+    q = rtn.quantize(w, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+    return {"q": q, "scale": qp.scale, "zero_point": qp.zero_point, "global_scale": qp.global_scale}
+
+
+def _compress(parts: dict, scheme, shape) -> dict:
+    return compress_weight((parts["q"], parts["scale"], parts["zero_point"]), scheme, tuple(shape),
+                           global_scale=parts["global_scale"])
+
+
+def _nonfinite_problem(key: str, dense: bool) -> str:
+    return (f"{key} holds NaN or Inf values: its scales would be NaN. Fix the checkpoint"
+            + (", or pass --skip-nonfinite to leave such Linears unquantized" if dense else
+               "; --skip-nonfinite leaves dense Linears only: leave these experts out with --ignore"))
+
+
+def _share_global(slots: list[Slot], stats: list) -> None:
+    """One global scale per fused weight (the model path's rule): slots with the same ``share`` take
+    the max of their ``global_absmax`` (slots left out, e.g. for NaN, have ``None`` stats)."""
+    for share in {s.share for s in slots}:
+        members = [st for s, st in zip(slots, stats) if s.share == share and st and "global_absmax" in st]
+        if len(members) > 1:
+            shared = torch.stack([st["global_absmax"] for st in members]).amax(0)
+            for st in members:
+                st["global_absmax"] = shared.clone()
+
+
+def _quantize_unit(unit: Unit, fetched: list, reader: _Reader, skip_nonfinite: bool) -> tuple[dict, list[str], list[str]]:
+    """The unit's output tensors (from its ``fetch_unit``), the Linears left unquantized for NaN/Inf, and refusals."""
     if unit.scheme is None:
-        return {s.key: reader.weight(s.key) for s in unit.slots}, [], []
-    ws = []
-    for s in unit.slots:
-        ws.append(reader.expert_rows(s.key, s.e, s.lo, s.hi) if s.e is not None else reader.weight(s.key))
+        return {s.key: reader.convert(s.key, f) for s, f in zip(unit.slots, fetched)}, [], []
+    ws = [reader.convert(s.key, f, s.lo, expert=s.e is not None) for s, f in zip(unit.slots, fetched)]
+    del fetched
     bad = [i for i, w in enumerate(ws) if not bool(torch.isfinite(w).all())]
     out, skipped = {}, []
     if bad:
         dense = unit.slots[0].e is None and not _EXPERT.match(unit.slots[0].key)
         if not (skip_nonfinite and dense):
-            return {}, [], [f"{unit.slots[i].key} holds NaN or Inf values: its scales would be NaN. Fix the checkpoint"
-                            + (", or pass --skip-nonfinite to leave such Linears unquantized" if dense else
-                               "; --skip-nonfinite leaves dense Linears only: leave these experts out with --ignore")
-                            for i in bad]
+            return {}, [], [_nonfinite_problem(unit.slots[i].key, dense) for i in bad]
         for i in bad:  # left as they are, listed in ignore; their partners share a scale without them
             out[unit.slots[i].key] = ws[i]
             skipped.append(unit.slots[i].out_prefix.removesuffix("."))
@@ -346,16 +518,9 @@ def _quantize_unit(unit: Unit, reader: _Reader, skip_nonfinite: bool) -> tuple[d
         unit = Unit(unit.block, [unit.slots[i] for i in keep], unit.scheme, unit.name)
         ws = [ws[i] for i in keep]
     stats = [rtn.local_stats(w, unit.scheme) or None for w in ws]
-    for share in {s.share for s in unit.slots}:  # one global scale per fused weight (the model path's rule)
-        members = [st for s, st in zip(unit.slots, stats) if s.share == share and st and "global_absmax" in st]
-        if len(members) > 1:
-            shared = torch.stack([st["global_absmax"] for st in members]).amax(0)
-            for st in members:
-                st["global_absmax"] = shared.clone()
+    _share_global(unit.slots, stats)
     for s, w, st in zip(unit.slots, ws, stats):
-        solved = rtn_rows(w, unit.scheme, st, 0)
-        for rel, v in compress_weight((solved.q, solved.scale, solved.zero_point), unit.scheme, tuple(w.shape),
-                                      global_scale=solved.global_scale).items():
+        for rel, v in _compress(_rtn(w, unit.scheme, st), unit.scheme, w.shape).items():
             out[s.out_prefix + rel] = v
     return out, skipped, []
 
