@@ -169,3 +169,31 @@ def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(sch
         assert torch.equal(g.deq, w.deq), e
     deq_down = torch.stack([x.deq for x in got["down_proj"]])
     assert not torch.equal(deq_down, orig["down_proj"])  # quantized per expert against its own Hessian
+
+
+@pytest.mark.parametrize("arch,world,algo,want", [
+    ("qwen3_moe", 2, "gptq", 2), ("qwen3_moe", 4, "rtn", 4), ("qwen3_moe", 3, "gptq", 1),
+    ("qwen3_moe", 6, "gptq", 2), ("qwen3_moe", 2, "signround", 1), ("qwen3_moe", 2, "awq", 1),
+    ("llama", 2, "gptq", 1), ("qwen3_moe", 1, "gptq", 1)])
+def test_auto_ep(checkpoints, arch, world, algo, want, caplog):
+    """--ep auto: the largest divisor of the world size that splits every experts module evenly
+    (the fixture's 8 experts), 1 for dense models and for algorithms that hold experts under FSDP2."""
+    from sq.load.meta import build_skeleton
+    from sq.quant.algorithms import algo_config, make_algorithm
+    from sq.quant.blockwise import auto_ep
+
+    model = build_skeleton(checkpoints[arch])
+    with caplog.at_level("INFO", logger="sq.quant.blockwise"):
+        assert auto_ep(model, world, make_algorithm(algo_config(algo))) == want
+    if arch != "llama" and 1 < want < world:
+        assert "8 experts do not split evenly over 6 ranks; --ep 2" in caplog.text
+
+
+def test_default_ep_is_auto_on_moe(checkpoints, tmp_path):
+    """Without --ep, a 2-rank MoE job runs expert-parallel (the report's resolved ep) and writes the
+    same bits as --ep 1."""
+    base = dict(model=str(checkpoints["qwen3_moe"]), scheme="W4A16", algo="rtn", group_size=GS)
+    _run([dict(output=str(tmp_path / "auto"), **base), dict(output=str(tmp_path / "ep1"), ep=1, **base)], 2)
+    report = json.loads((tmp_path / "auto" / "sq_report.json").read_text())
+    assert report["args"]["ep"] == 2 and report["run_signature"]["job"]["ep"] == 2
+    assert _same_bits(tmp_path / "auto", tmp_path / "ep1") == []

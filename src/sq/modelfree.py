@@ -54,7 +54,9 @@ from sq.load.meta import config_problems, model_type_problems, tokenizer_problem
 from sq.load.source import scan_checkpoint
 from sq.memory import trim_heap
 from sq.quant import rtn
+from sq.quant.formats import required_reductions, spec_for
 from sq.quant.pipeline import claim_output, raise_all, versions
+from sq.quant.primitives import PerBlock
 from sq.quant.recipe import make_assigner, scheme_tag
 from sq.quant.schemes import check_group_size
 from sq.report import block_progress
@@ -71,6 +73,8 @@ _PROJ = re.compile(r"(_proj|_proj_with_mqa|^w[1-3]|^fc\d|^dense(_h_to_4h|_4h_to_
                    r"|^w[qkvo])$")
 _ROUTER = {"gate", "router", "router_gate"}
 _GATE_LEAVES = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}  # an expert's gate_up rows: gate first
+READ_AHEAD = 2  # units a rank reads ahead of the one it quantizes (memory: this many more units' tensors)
+SPLIT_SLACK = 0.10  # dense Linears are row-split while the busiest rank has over 10% more than an even share
 
 
 @dataclass
@@ -284,13 +288,60 @@ def _expert_units(plan: Plan, b: int, group: str, entries, tensors, assigner, ke
     return problems
 
 
-def split_by_bytes(units: list[Unit], world: int) -> list[int]:
-    """Owner rank of each unit: largest first to the least loaded rank (deterministic)."""
-    load, owner = [0] * world, [0] * len(units)
-    for i in sorted(range(len(units)), key=lambda i: (-units[i].nbytes, i)):
+def _splittable(unit: Unit) -> bool:
+    """A dense Linear group (experts are spread by index, copied tensors cost only their read)."""
+    return unit.scheme is not None and all(s.e is None and not _EXPERT.match(s.key) for s in unit.slots)
+
+
+def _place(units: list[Unit], world: int, split: set[int]) -> tuple[list[int], int]:
+    """Owner rank of each whole unit, largest first to the least loaded rank, every rank starting with
+    its even share of the ``split`` units; and the busiest rank's bytes."""
+    spread = sum(units[i].nbytes for i in split)
+    load, owner = [spread // world + (r < spread % world) for r in range(world)], [0] * len(units)
+    for i in sorted((i for i in range(len(units)) if i not in split), key=lambda i: (-units[i].nbytes, i)):
         r = min(range(world), key=lambda r: (load[r], r))
         owner[i], load[r] = r, load[r] + max(units[i].nbytes, 1)
-    return owner
+    return owner, max(load)
+
+
+def split_by_bytes(units: list[Unit], world: int, split_at: int | None = None) -> tuple[list[int], list[int]]:
+    """(owner rank of each unit, the units whose rows are spread over every rank), deterministic.
+
+    Whole units go largest first to the least loaded rank.  That balances while units are many and
+    small against a rank's share; when a few dense Linears dominate (few layers for many ranks, one
+    huge projection) the busiest rank ends well above an even share however they are placed.  Then
+    the largest dense Linear group is split by rows over every rank, then the next, while that
+    lowers the busiest rank's load and it stays over ``SPLIT_SLACK`` above an even share.  A split
+    unit's owner (the rank that writes it; ``owner``) takes turns over the ranks.  ``split_at``
+    (tests): also split every dense Linear group of at least that many bytes.
+    """
+    split = {i for i, u in enumerate(units) if split_at is not None and world > 1 and _splittable(u)
+             and u.nbytes >= split_at}
+    owner, busiest = _place(units, world, split)
+    even = sum(u.nbytes for u in units) / world
+    while world > 1 and busiest > even * (1 + SPLIT_SLACK):
+        rest = [i for i, u in enumerate(units) if i not in split and _splittable(u)]
+        if not rest:
+            break
+        i = min(rest, key=lambda i: (-units[i].nbytes, i))
+        trial, trial_busiest = _place(units, world, split | {i})
+        if trial_busiest >= busiest:
+            break
+        split.add(i)
+        owner, busiest = trial, trial_busiest
+    for k, i in enumerate(sorted(split)):
+        owner[i] = k % world
+    return owner, sorted(split)
+
+
+def _row_ranges(rows: int, scheme, world: int) -> list[tuple[int, int]]:
+    """Each rank's rows ``[lo, hi)`` of a row-split weight: contiguous, in rank order, cut at scale
+    block boundaries (FP8_BLOCK's 128 rows) so every block's scale comes from one rank's rows; per-
+    channel and per-group scales are row-independent, so any row boundary keeps their groups whole."""
+    g = spec_for(scheme).granularity
+    step = g.rows if isinstance(g, PerBlock) else 1
+    n = -(-rows // step)
+    return [(min(rows, r * n // world * step), min(rows, (r + 1) * n // world * step)) for r in range(world)]
 
 
 class _Reader:
@@ -468,6 +519,11 @@ class _LayerWriter:
             self._raise()
 
 
+def _no_space_injected() -> None:
+    """``SQ_FAULT=enospc:RANK:LAYER`` (tests): the disk fills up halfway through that layer's file."""
+    raise OSError(28, "No space left on device (injected)")
+
+
 def _rtn(w: torch.Tensor, scheme, stats, row_offset: int = 0) -> dict:
     """``rtn_rows``'s quantization of rows ``w`` (the same ``qparams`` and ``quantize`` calls, so the
     same codes and scales) without the dequantized copy the model path writes back into its model
@@ -480,6 +536,16 @@ def _rtn(w: torch.Tensor, scheme, stats, row_offset: int = 0) -> dict:
 def _compress(parts: dict, scheme, shape) -> dict:
     return compress_weight((parts["q"], parts["scale"], parts["zero_point"]), scheme, tuple(shape),
                            global_scale=parts["global_scale"])
+
+
+def _finite(w: torch.Tensor) -> bool:
+    """Whether ``w`` holds no NaN or Inf: ``aminmax`` propagates NaN and shows an infinity, in one
+    vectorized pass (``isfinite(w).all()`` on a bf16 CPU tensor costs ~50x more: it was a third of
+    a rank's time)."""
+    if w.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(w)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def _nonfinite_problem(key: str, dense: bool) -> str:
@@ -505,7 +571,7 @@ def _quantize_unit(unit: Unit, fetched: list, reader: _Reader, skip_nonfinite: b
         return {s.key: reader.convert(s.key, f) for s, f in zip(unit.slots, fetched)}, [], []
     ws = [reader.convert(s.key, f, s.lo, expert=s.e is not None) for s, f in zip(unit.slots, fetched)]
     del fetched
-    bad = [i for i, w in enumerate(ws) if not bool(torch.isfinite(w).all())]
+    bad = [i for i, w in enumerate(ws) if not _finite(w)]
     out, skipped = {}, []
     if bad:
         dense = unit.slots[0].e is None and not _EXPERT.match(unit.slots[0].key)
@@ -523,6 +589,112 @@ def _quantize_unit(unit: Unit, fetched: list, reader: _Reader, skip_nonfinite: b
         for rel, v in _compress(_rtn(w, unit.scheme, st), unit.scheme, w.shape).items():
             out[s.out_prefix + rel] = v
     return out, skipped, []
+
+
+def _my_rows(unit: Unit, rank: int, world: int, rows: Callable[[str], int]) -> Unit:
+    """The part of a row-split unit this rank reads: its rows of every slot."""
+    slots = []
+    for s in unit.slots:
+        lo, hi = _row_ranges(rows(s.key), unit.scheme, world)[rank]
+        slots.append(Slot(s.key, s.out_prefix, None, lo, hi, s.share))
+    return Unit(unit.block, slots, unit.scheme, unit.name)
+
+
+def _reduced_stats(units: list[Unit], parts: list[Unit], reader: _Reader) -> tuple[list[list], list[list[bool]]]:
+    """Every row-split slot's cross-row statistics (NVFP4's global absmax, FP8_BLOCK's block absmax)
+    and whether it holds NaN/Inf, over all ranks' rows: ONE all_reduce (max; a min statistic travels
+    negated) of everything at once.  float64 holds every float32 statistic exactly."""
+    chunks, where = [], []  # where: (unit, slot, stat, op, shape, dtype) per chunk after each flag
+    ahead = _ReadAhead(reader, parts)
+    try:
+        for ui, (u, part) in enumerate(zip(units, parts)):
+            for si, (s, f) in enumerate(zip(part.slots, ahead.get())):
+                w = reader.convert(s.key, f, s.lo)
+                chunks.append(torch.tensor([0.0 if _finite(w) else 1.0], dtype=torch.float64))
+                for red in required_reductions(u.scheme):
+                    t = red.local(w, row_offset=s.lo, rows=reader.source.tensors[s.key].shape[0])
+                    where.append((ui, si, red.stat, red.op, t.shape, t.dtype))
+                    chunks.append(t.to(torch.float64).flatten() * (-1.0 if red.op == "min" else 1.0))
+                del w
+    finally:
+        ahead.close()
+    flat = torch.cat(chunks)
+    if dist.get_backend() == "nccl":
+        flat = flat.cuda()
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    flat = flat.cpu()
+    stats = [[{} for _ in u.slots] for u in units]
+    bad = [[False] * len(u.slots) for u in units]
+    at, w_i = 0, 0
+    for ui, u in enumerate(units):
+        for si in range(len(u.slots)):
+            bad[ui][si] = bool(flat[at] > 0)
+            at += 1
+            while w_i < len(where) and where[w_i][:2] == (ui, si):
+                _, _, stat, op, shape, dtype = where[w_i]
+                n = math.prod(shape)
+                stats[ui][si][stat] = (flat[at:at + n] * (-1.0 if op == "min" else 1.0)).reshape(shape).to(dtype)
+                at, w_i = at + n, w_i + 1
+    return stats, bad
+
+
+def _split_pass(units: list[Unit], owners: list[int], reader: _Reader, skip_nonfinite: bool) -> dict[int, tuple]:
+    """Row-split Linears (``split_by_bytes``): every rank reads and quantizes its rows of each, with the
+    statistics that span rows reduced over all ranks, and the unit's owner gathers the codes and
+    scales, compresses the whole tensor and writes it with its layer.  Returns the owner's output,
+    ``{layer: (tensors, Linears left unquantized for NaN/Inf)}``.
+
+    It runs before the first layer, on every rank alike (the same units from the same plan), so its
+    collectives -- one all_reduce, then one gather per unit -- never wait for a rank that has left;
+    the main loop keeps none.  A rank reads its rows twice (statistics, then codes) rather than
+    holding them across the all_reduce: memory stays one unit's rows, plus the owner's compressed
+    outputs until their layers are written.  The codes equal the whole tensor's: each row's scales
+    see the same reduced statistics (``rtn.quantize`` with the row offset), as on the model path's
+    row shards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = lambda key: reader.source.tensors[key].shape[0]  # noqa: E731
+    parts = [_my_rows(u, rank, world, rows) for u in units]
+    stats, bad = _reduced_stats(units, parts, reader)
+    refused = [_nonfinite_problem(s.key, True) for u, b in zip(units, bad) for s, x in zip(u.slots, b) if x]
+    if refused and not skip_nonfinite:
+        raise SqError(refused)  # every rank holds the same reduced flags: all refuse together
+    ready: dict[int, tuple[dict, list]] = {}
+    ahead = _ReadAhead(reader, parts)
+    try:
+        for ui, (u, part, owner) in enumerate(zip(units, parts, owners)):
+            st = [None if b else (x or None) for x, b in zip(stats[ui], bad[ui])]
+            _share_global(u.slots, st)
+            mine = []
+            for si, (s, f) in enumerate(zip(part.slots, ahead.get())):
+                if s.hi == s.lo:
+                    mine.append(None)
+                    continue
+                w = reader.convert(s.key, f, s.lo)
+                mine.append({"w": w} if bad[ui][si] else _rtn(w, u.scheme, st[si], row_offset=s.lo))
+            got = [None] * world if rank == owner else None
+            dist.gather_object(mine, got, dst=owner)
+            del mine
+            if rank == owner:
+                tensors, skipped = ready.setdefault(u.block, ({}, []))
+                for si, s in enumerate(u.slots):
+                    tensors.update(_assemble(s, u.scheme, [g[si] for g in got if g[si] is not None],
+                                             reader.source.tensors[s.key].shape, skipped))
+            del got
+    finally:
+        ahead.close()
+    return ready
+
+
+def _assemble(slot: Slot, scheme, pieces: list[dict], shape, skipped: list[str]) -> dict:
+    """One row-split weight's output from every rank's rows, in rank (= row) order."""
+    if "w" in pieces[0]:  # NaN/Inf with --skip-nonfinite: kept as it is, listed in ignore
+        skipped.append(slot.out_prefix.removesuffix("."))
+        return {slot.key: torch.cat([p["w"] for p in pieces])}
+    rows = rtn.scales_follow_rows(scheme)  # else every rank computed the whole scale (2-D blocks)
+    whole = {"q": torch.cat([p["q"] for p in pieces]), "global_scale": pieces[0]["global_scale"]}
+    for k in ("scale", "zero_point"):
+        whole[k] = None if pieces[0][k] is None else torch.cat([p[k] for p in pieces]) if rows else pieces[0][k]
+    return {slot.out_prefix + rel: v for rel, v in _compress(whole, scheme, shape).items()}
 
 
 def data_free_problems(cfg, assigner, why: str) -> list[str]:
@@ -595,10 +767,15 @@ def _prepare(cfg):
     return plan, _Reader(source, layout, _dtype_of(source.config)), source, assigner
 
 
-def _signature(cfg, plan: Plan, source, assigner, world: int) -> dict:
-    return {"mode": "model-free", "source": source_identity(source), "job": cfg.signature_args(calibrated=False),
-            "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
-            "world_size": world, "blocks": plan.blocks, "versions": versions()}
+def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) -> dict:
+    """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
+    writes what) only when there are any, so signatures without splits stay as they were."""
+    sig = {"mode": "model-free", "source": source_identity(source), "job": cfg.signature_args(calibrated=False),
+           "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
+           "world_size": world, "blocks": plan.blocks, "versions": versions()}
+    if split:
+        sig["row_split"] = split
+    return sig
 
 
 @torch.no_grad()
@@ -606,10 +783,19 @@ def quantize_checkpoint(cfg) -> dict:
     """``sq.ptq --model-free``: a checkpoint folder in, a compressed-tensors checkpoint out, no model
     built.  Runs inside an initialized process group; the report on rank 0, ``{}`` elsewhere."""
     t_start = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
     plan, reader, source, assigner = _prepare(cfg)
+    try:
+        return _run(cfg, plan, reader, source, assigner, t_start)
+    finally:
+        reader.close()
+
+
+def _run(cfg, plan: Plan, reader: _Reader, source, assigner, t_start: float) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(cfg.output)
-    sig = _signature(cfg, plan, source, assigner, world)
+    split_at = os.environ.get("SQ_MODELFREE_SPLIT_BYTES")  # tests only: force row splits of small Linears
+    owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
+    sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
     state = RunState(out, rank, enabled=cfg.bookkeeping)
     if claim_output(out, sig, cfg.resume, state, rank) == "complete":
         logger.info("%s is already complete (same model and settings); nothing to do", out)
@@ -624,36 +810,55 @@ def quantize_checkpoint(cfg) -> dict:
     if start:
         logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, n)
     skipped = [nm for entry in state.manifest["blocks"] for nm in entry.get("skipped_nonfinite", [])]
-    owner = split_by_bytes(plan.units, world)
-    mine = [u for u, r in zip(plan.units, owner) if r == rank]
+    split_set = set(split)
+    mine = [u for i, (u, r) in enumerate(zip(plan.units, owner)) if r == rank and i not in split_set]
     problems: list[str] = []
-    logger.info("model-free: %s -> %s on %d rank(s): %d units, this rank %d (%.1f MB), from layer %d",
-                source.root, out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6, start)
+    logger.info("model-free: %s -> %s on %d rank(s): %d units, this rank %d (%.1f MB)%s, from layer %d",
+                source.root, out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6,
+                f" and its rows of {len(split)} row-split Linear groups "
+                f"({sum(plan.units[i].nbytes for i in split) / world / 1e6:.1f} MB)" if split else "", start)
+    todo_split = [i for i in split if plan.units[i].block >= start]  # the same list on every rank
+    ready = _split_pass([plan.units[i] for i in todo_split], [owner[i] for i in todo_split], reader,
+                        cfg.skip_nonfinite) if todo_split else {}
     progress = block_progress(n, start, bar=rank == 0)
-    for b in range(start, n):
-        if problems:
-            break
-        t_block = time.perf_counter()
-        tensors, bad = {}, []
-        for u in (u for u in mine if u.block == b):
-            t, sk, pr = _quantize_unit(u, reader, cfg.skip_nonfinite)
-            tensors.update(t)
-            bad += sk
-            problems += pr
-        if problems:
-            break
+
+    def write_layer(b: int, tensors: dict, bad: list[str]) -> None:  # in the writer's thread, layer after layer
         shard = shard_name(rank, b)
-        die = (lambda: maybe_die(fault, "mid-shard-write", rank, b)) if fault is not None and \
-            fault.hit("mid-shard-write", rank, b) else None
+        die = None
+        if fault is not None and fault.hit("mid-shard-write", rank, b):
+            die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
+        elif fault is not None and fault.hit("enospc", rank, b):
+            die = _no_space_injected
         rec = writer.write_shard(out, shard, tensors, die_midway=die, checksum=cfg.bookkeeping)
         maybe_die(fault, "after-shard-write", rank, b)
         if rec:
             fragments.update({k: shard for k in rec["tensors"]})
         state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
-        skipped += bad
-        del tensors
-        trim_heap()
-        progress.step(b, time.perf_counter() - t_block)
+        skipped.extend(bad)
+
+    todo = sorted((u for u in mine if u.block >= start), key=lambda u: u.block)
+    ahead, layers = _ReadAhead(reader, todo, READ_AHEAD), _LayerWriter(write_layer)
+    try:
+        i = 0
+        for b in range(start, n):
+            t_block = time.perf_counter()
+            tensors, bad = ready.pop(b, ({}, []))
+            while i < len(todo) and todo[i].block == b:
+                t, sk, pr = _quantize_unit(todo[i], ahead.get(), reader, cfg.skip_nonfinite)
+                tensors.update(t)
+                bad += sk
+                problems += pr
+                i += 1
+            if problems:
+                break
+            layers.submit(b, tensors, bad)
+            del tensors
+            trim_heap()
+            progress.step(b, time.perf_counter() - t_block)
+        layers.close()  # every submitted layer recorded; the writer's error, if any, raised here
+    finally:
+        ahead.close()
+        layers.close(check=False)
     progress.close()
     every = [None] * world
     dist.all_gather_object(every, problems)  # every rank meets here, done or refused

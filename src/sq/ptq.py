@@ -20,6 +20,15 @@ A refusal prints 'sq: error: ...' (one line per problem, on every rank) and exit
 Reference: docs/cli.md; every refusal and its fix: docs/troubleshooting.md."""
 
 
+def _ep(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
+
+
 def build_parser() -> ArgParser:
     import dataclasses
 
@@ -57,7 +66,10 @@ def build_parser() -> ArgParser:
                         "(docs/recipes.md; default: --scheme for every Linear)")
     p.add_argument("--timeout", type=positive_seconds, default=job["timeout_s"], metavar="SECONDS",
                    help="collective timeout: a dead or hung rank ends the job instead of hanging it")
-    p.add_argument("--ep", type=int, default=job["ep"], metavar="N", help="expert-parallel degree (divides the world size)")
+    p.add_argument("--ep", type=_ep, default=job["ep"], metavar="N|auto",
+                   help="expert-parallel degree (divides the world size); auto (default): the world size for an "
+                        "MoE whose experts split evenly over it, else the largest divisor that does; 1 for dense "
+                        "models and for --algo signround / awq")
     p.add_argument("--no-calibrate-all-experts", dest="calibrate_all", action="store_false",
                    help="feed each expert's Hessian (and activation scale) only the tokens routed to it "
                         "(default: every token)")

@@ -200,6 +200,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 class AWQAlgorithm(Algorithm):
     config_type = AWQConfig
     calibrated = True
+    expert_parallel = False
 
     def __init__(self, config: AWQConfig):
         super().__init__(config)
@@ -208,9 +209,7 @@ class AWQAlgorithm(Algorithm):
             self.error_metric = self.gptq.error_metric
 
     def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
-        problems = []
-        if ep > 1:
-            problems.append("--algo awq runs with --ep 1 (the search gathers each block's experts under FSDP2)")
+        problems = self.ep_refusals(ep)
         if observes_activations(assigner):
             problems.append("--algo awq changes the activations static activation scales are calibrated on; "
                             "use a weight-only scheme (W4A16, NVFP4A16, ...) or --algo rtn/gptq")

@@ -113,12 +113,19 @@ class Algorithm:
     calibrated: ClassVar[bool] = False
     fp_chain: ClassVar[bool] = False
     error_metric: ClassVar[str] = "weight"
+    expert_parallel: ClassVar[bool] = True  # runs with --ep > 1 (experts held by index, tokens moved to them)
 
     def __init__(self, config: AlgoConfig):
         self.config = config
 
     def refusals(self, model: nn.Module, assigner, world: int, ep: int) -> list[str]:
         """Refusals that depend on the model or the launch (identical on every rank)."""
+        return self.ep_refusals(ep)
+
+    def ep_refusals(self, ep: int) -> list[str]:
+        if ep > 1 and not self.expert_parallel:
+            return [f"--algo {self.config.name} runs with --ep 1 (it holds each block's experts under FSDP2 while "
+                    "it tunes them); expert-parallel tuning is not supported yet"]
         return []
 
     def observe(self, work: BlockWork) -> None:

@@ -20,12 +20,10 @@ class SignRoundAlgorithm(Algorithm):
     config_type = SignRoundConfig
     calibrated = True
     fp_chain = True
+    expert_parallel = False
 
     def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
-        problems = []
-        if ep > 1:
-            problems.append("--algo signround runs with --ep 1 (experts tuned by the rank holding them under "
-                            "FSDP2); expert-parallel tuning is not supported yet")
+        problems = self.ep_refusals(ep)
         for prefix, block in decoder_blocks(model):
             names = [f"{prefix}.{n}" for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
             names += [f"{prefix}.{n}" for n, _ in experts_modules(block)]
