@@ -132,8 +132,19 @@ def ar_worker(args) -> int:
                    batch_size=args.batch_size, nsamples=n, seqlen=seqlen, dataset=data, device_map="cpu")
     ar.quantize_and_save(args.out, format="llm_compressor")
     core = time.perf_counter() - t
-    info = {"core_s": round(core, 2), "threads": torch.get_num_threads(), "amp_dtype": str(
-                getattr(getattr(ar, "model_context", None), "amp_dtype", None)),
+    # auto-round writes into OUT/<model name>-w4g64/: move the checkpoint up so OUT is the checkpoint
+    out = Path(args.out)
+    if not (out / "config.json").is_file():
+        sub = [d for d in out.iterdir() if (d / "config.json").is_file()]
+        if len(sub) != 1:
+            raise SystemExit(f"auto-round's checkpoint not found under {out}: {sorted(out.iterdir())}")
+        for f in sub[0].iterdir():
+            f.rename(out / f.name)
+        sub[0].rmdir()
+    ctx = getattr(ar, "model_context", None)
+    info = {"core_s": round(core, 2), "threads": torch.get_num_threads(),
+            "amp": getattr(ctx, "amp", None), "amp_dtype": str(getattr(ctx, "amp_dtype", None)),
+            "torch_compile": getattr(ar, "enable_torch_compile", None),
             "versions": {"torch": torch.__version__, "auto_round": auto_round.__version__,
                          "transformers": transformers.__version__}}
     try:
@@ -220,7 +231,7 @@ def ensure_venvs(which: tuple[str, ...], skip: bool) -> None:
             pins = ROOT / "bench" / "_work" / "autoround-constraints.txt"
             if not pins.is_file():
                 pins.write_text("torch==2.13.0\n")
-            subprocess.run([str(py), "-m", "pip", "install", "-c", str(pins), "compressed-tensors==0.20.1"],
+            subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pins), "compressed-tensors==0.20.1"],
                            check=True)
 
 
@@ -244,6 +255,8 @@ def _settings(task: str, args) -> dict:
     s = {"model": MODEL, "scheme": "W4A16", "group_size": GROUP, "nsamples": args.nsamples, "seqlen": args.seqlen}
     if task == "signround":
         s.update(iters=args.iters, batch_size=args.batch_size)
+    else:
+        s.update(peer_dtype=args.peer_dtype)
     return s
 
 
@@ -302,7 +315,8 @@ def quant_step(task: str, src: Path, args) -> None:
         if res["rc"] != 0:
             print(f"peers: {task}/{side} failed; recorded, going on", flush=True)
         elif side != "sq":
-            print(f"  {side}: core {rec.get('core_s')} s of {rec['wall_s']} s, {rec.get('threads')} threads", flush=True)
+            print(f"  {side}: core {rec.get('core_s')} s of {rec['wall_s']} s, {rec.get('threads')} threads",
+                  flush=True)
 
 
 def eval_step(src: Path, args) -> None:
@@ -316,7 +330,7 @@ def eval_step(src: Path, args) -> None:
             if rid.is_file():
                 targets.append((task, side, out, rid.read_text().strip()))
     for task, side, path, run_id in targets:
-        if task != "source" and (run_id, args.eval_windows) in done:
+        if (run_id, args.eval_windows) in done:
             print(f"eval {task}/{side}: already evaluated (run {run_id})", flush=True)
             continue
         cmd = [sys.executable, "bench/peers/eval_preset.py", "--model", str(path), "--nwindows", str(args.eval_windows)]
@@ -334,8 +348,6 @@ def eval_step(src: Path, args) -> None:
 
 def load_step(args) -> None:
     """bench/load.py for the sq / transformers pairs on both layouts, 1 repetition, summarized per pair."""
-    import importlib.util
-
     run_id = uuid.uuid4().hex[:12]
     out = WORK / f"load-{run_id}.jsonl"
     loaders = [lo for pair in LOAD_PAIRS for lo in pair]
@@ -347,10 +359,17 @@ def load_step(args) -> None:
     try:
         res = _run(cmd, WORK / "logs" / f"load-{run_id}.log", timeout=args.timeout)
     finally:
-        if md.is_file():
+        if md.is_file() and md.read_bytes() != saved:
             shutil.move(str(md), str(WORK / f"load-{run_id}.md"))
         if saved is not None:
             md.write_bytes(saved)
+    load_records(out, run_id, res)
+
+
+def load_records(out: Path, run_id: str, res: dict) -> None:
+    """One record per (layout, sq loader / transformers loader) pair from load.py's results file."""
+    import importlib.util
+
     spec = importlib.util.spec_from_file_location("bench_load", ROOT / "bench" / "load.py")
     load = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(load)
@@ -441,7 +460,7 @@ def table(args) -> str:
                 ratio = f"{q:.2f}"
                 ok = q <= TARGETS["load"] and a["rss_rise_x_ckpt"] <= LOAD_RSS_TARGET
                 tgt += " MET" if ok else " MISSED"
-            la = f"{r['loadavg_before'][0]} -> {r['loadavg_after'][0]} (whole load.py run)"
+            la = "; ".join("-" if x.get("failed") else f"{x['loadavg']:.1f} at job start" for x in (a, b))
             rows.append(f"| {label} | {lcell(a)} | {lcell(b)} | {ratio} | {tgt} | {la} |")
     src = evals.get("source")
     foot = f"\nsource perplexity: {_f(src['ppl'], '{:.2f}') if src else '- (eval step not run)'}"
@@ -453,8 +472,8 @@ def table(args) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", default=",".join(STEPS), help="comma list of gptq, signround, load, eval")
     p.add_argument("--nsamples", type=int, default=32)
     p.add_argument("--seqlen", type=int, default=512)
