@@ -95,3 +95,203 @@ def test_two_ranks_read_and_hold_about_half(bigger_moe):
         assert r["rise"] <= 0.8 * size, f"rank {rank} RSS rose {r['rise']} for a {size}-byte checkpoint"
         assert r["local"] <= 0.55 * size
     assert total_read <= 1.15 * size, f"ranks together read {total_read} of {size} bytes"
+
+
+# ----------------------------------------------------------------------------- direct (preadv) reads
+
+FIXTURE_NAMES = ["llama", "qwen3_moe", "qwen3_moe_fused", "mixtral", "deepseek_v3", "deepseek_v3_fp8", "vlm"]
+MOE_NAMES = ["qwen3_moe", "qwen3_moe_fused", "mixtral", "deepseek_v3", "deepseek_v3_fp8"]
+
+
+def _checkpoint_maps(folder) -> list[str]:
+    """Lines of /proc/self/maps that map a file of ``folder``."""
+    folder = str(folder)
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if folder in line]
+
+
+def _fill_all(path, world, ep, *, direct, dtype=None, watch_maps=False):
+    """Fill every tensor of the checkpoint at ``path``; (local shards, reader, maps seen at each box)."""
+    from sq.dist import ParallelDims
+    from sq.load.fill import BoxLoadPlanner, local_box
+    from sq.load.loader import fill, plan_load
+    from sq.load.meta import build_skeleton
+    from sq.parallel.fsdp import apply_parallel
+
+    model = build_skeleton(path, dtype=dtype)
+    plan = plan_load(model, path)
+    if world > 1:
+        apply_parallel(model, ParallelDims(world, ep).build_mesh("cpu"))
+    plan.reader().direct = direct
+    seen = []
+    commit = BoxLoadPlanner.commit_tensor
+    if watch_maps:
+        real = os.path.realpath(path)
+        BoxLoadPlanner.commit_tensor = lambda self, item, t: seen.extend(_checkpoint_maps(real))
+    try:
+        fill(model, plan, plan.root_names)
+        for names in plan.block_names:
+            fill(model, plan, names)
+    finally:
+        BoxLoadPlanner.commit_tensor = commit
+    shards = {n: local_box(t)[0].clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return shards, plan.reader(), seen
+
+
+def _direct_vs_mapped(rank, world, paths: dict, ep: int):
+    out = {}
+    for name, path in paths.items():
+        cases = [(name, None)] + ([(name + ":fp32->bf16", torch.bfloat16)] if name == "llama" else [])
+        for label, dtype in cases:
+            got, reader, _ = _fill_all(path, world, ep, direct=True, dtype=dtype)
+            want, ref_reader, _ = _fill_all(path, world, ep, direct=False, dtype=dtype)
+            differ = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
+            out[label] = dict(differ=differ, direct=reader.direct_reads, mapped=reader.mapped_reads,
+                              bytes=reader.bytes_read, ref_bytes=ref_reader.bytes_read,
+                              ref_direct=ref_reader.direct_reads)
+    return out
+
+
+@pytest.mark.parametrize("world,ep", [(1, 1), (2, 1), (2, 2)])
+def test_direct_reads_equal_safetensors_reads(checkpoints, world, ep):
+    """Shards read with preadv are bit-identical to those read through safetensors' get_slice (the
+    loader before preadv), on every fixture layout; contiguous boxes take the preadv path, FP8
+    weights and dtype conversions do not."""
+    names = FIXTURE_NAMES if ep == 1 else MOE_NAMES
+    paths = {n: str(checkpoints[n]) for n in names}
+    for rank, res in enumerate(run_ranks(_direct_vs_mapped, world, paths, ep, timeout=600)):
+        for label, r in res.items():
+            assert r["differ"] == [], f"{label} rank {rank}: shards differ: {r['differ'][:5]}"
+            assert r["bytes"] == r["ref_bytes"], (label, rank, r)
+            assert r["ref_direct"] == 0, (label, rank, r)
+            if label.endswith("->bf16"):
+                assert r["direct"] == 0 and r["mapped"] > 0, (label, rank, r)  # a dtype conversion: get_slice
+            elif label == "deepseek_v3_fp8":
+                assert r["direct"] > 0 and r["mapped"] > 0, (label, rank, r)  # bf16 norms direct, FP8 dequantized
+            else:
+                assert r["direct"] > 0 and r["mapped"] == 0, (label, rank, r)  # every box is one byte range
+
+
+def _maps_during_reads(rank, world, path):
+    _, reader, seen_direct = _fill_all(path, world, 1, direct=True, watch_maps=True)
+    _, _, seen_mapped = _fill_all(path, world, 1, direct=False, watch_maps=True)
+    return dict(direct=reader.direct_reads, seen_direct=seen_direct[:3], seen_mapped=len(seen_mapped))
+
+
+def test_no_checkpoint_file_is_mapped_while_reading(checkpoints):
+    """While a box is committed, /proc/self/maps shows no checkpoint file: the preadv path maps
+    nothing (no file-backed pages count in RSS).  The safetensors path does (the check can see it)."""
+    for rank, r in enumerate(run_ranks(_maps_during_reads, 2, str(checkpoints["qwen3_moe"]), timeout=180)):
+        assert r["direct"] > 0, r
+        assert r["seen_direct"] == [], f"rank {rank}: checkpoint mapped during a preadv read: {r['seen_direct']}"
+        assert r["seen_mapped"] > 0, f"rank {rank}: the maps check saw no mmap on the safetensors path"
+
+
+def _open_fds() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own fd, closed already
+    return out
+
+
+@pytest.mark.parametrize("how", ["truncated", "read_error", "truncated_mapped"])
+def test_a_failed_read_leaves_no_file_open(checkpoints, tmp_path, monkeypatch, how):
+    """A read that fails half way (a file truncated after the scan, an I/O error in preadv, the
+    safetensors path on a truncated file) raises LoadRefused and closes every file it opened."""
+    import shutil
+
+    import sq.load.fill as F
+    from sq.load.loader import fill, plan_load
+    from sq.load.meta import build_skeleton
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["qwen3_moe"], src)
+    model = build_skeleton(src, dtype=torch.float32)
+    plan = plan_load(model, src)
+    plan.reader().direct = how != "truncated_mapped"
+    fill(model, plan, plan.block_names[0])  # warm: lazy imports, torch's own files
+    names = plan.root_names + [n for ns in plan.block_names[1:] for n in ns]
+    files = sorted({plan.source.tensors[p.ckpt_key].file for n in names for p in plan.keymap.pieces[n]})
+    if how.startswith("truncated"):
+        victim = src / files[-1]
+        os.truncate(victim, victim.stat().st_size - 64)
+    else:
+        calls = []
+        real = F._pread_into
+
+        def failing(fd, buf, offset, path):
+            calls.append(path)
+            if len(calls) == 3:  # after two boxes went through: other files may be open too
+                raise OSError(5, "Input/output error (injected)")
+            return real(fd, buf, offset, path)
+
+        monkeypatch.setattr(F, "_pread_into", failing)
+    before = _open_fds()
+    with pytest.raises(LoadRefused) as e:
+        fill(model, plan, names)
+    after = _open_fds()
+    assert "reading" in str(e.value) and "failed" in str(e.value)
+    leaked = {fd: target for fd, target in after.items() if before.get(fd) != target}
+    assert not leaked, f"files left open after a failed read: {leaked}"
+    assert not [t for t in after.values() if str(src) in t]
+
+
+def _one_rank_fails(rank, world, path):
+    import torch.distributed as dist
+
+    import sq.load.fill as F
+    from sq.dist import ParallelDims
+    from sq.load.loader import fill, plan_load
+    from sq.load.meta import build_skeleton
+    from sq.parallel.fsdp import apply_parallel
+
+    model = build_skeleton(path, dtype=torch.float32)
+    plan = plan_load(model, path)
+    apply_parallel(model, ParallelDims(world, 1).build_mesh("cpu"))
+    fill(model, plan, plan.root_names)
+    if rank == 1:
+        def failing(fd, buf, offset, path):
+            raise OSError(5, "disk on fire (injected)")
+
+        F._pread_into = failing
+    try:
+        fill(model, plan, plan.block_names[0])
+        err = None
+    except Exception as e:  # noqa: BLE001 - reported back
+        err = (type(e).__name__, str(e))
+    dist.barrier()  # no rank is left behind in a collective
+    return err
+
+
+def test_a_read_error_on_one_rank_is_raised_on_every_rank(checkpoints):
+    """Reads are local (dcp no_dist): a rank's read error reaches the others through fill's one
+    agreement, and every rank raises the same LoadRefused, naming the rank."""
+    errs = run_ranks(_one_rank_fails, 2, str(checkpoints["qwen3_moe"]), timeout=180)
+    assert errs[0] is not None and errs[0] == errs[1], errs
+    kind, text = errs[0]
+    assert kind == "LoadRefused" and "disk on fire" in text and "(rank 1)" in text, errs
+
+
+def test_byte_range_is_exactly_the_contiguous_boxes():
+    """byte_range returns a range iff the box's elements are one run of the row-major tensor, and
+    then exactly that run (brute force over every box of small shapes)."""
+    import itertools
+
+    from sq.load.fill import byte_range
+    from sq.load.source import TensorInfo
+
+    for shape in [(5,), (4, 3), (3, 1, 4), (2, 3, 4), (1, 2, 3)]:
+        info = TensorInfo("k", "f", torch.bfloat16, shape, (100, 100 + 2 * torch.Size(shape).numel()))
+        flat = torch.arange(torch.Size(shape).numel()).view(shape)
+        spans = [[(o, n) for o in range(s) for n in range(1, s - o + 1)] for s in shape]
+        for box in itertools.product(*spans):
+            offsets, lengths = [b[0] for b in box], [b[1] for b in box]
+            idx = flat[tuple(slice(o, o + n) for o, n in box)].reshape(-1)
+            run = bool(torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + idx.numel())))
+            got = byte_range(info, offsets, lengths)
+            assert (got is not None) == run, (shape, box)
+            if run:
+                assert got == (100 + 2 * int(idx[0]), 2 * idx.numel()), (shape, box)

@@ -2,6 +2,7 @@
 
 Each rank's local shard must equal the checkpoint slice it covers exactly, and a forward
 pass of the sharded model must match plain ``from_pretrained`` (fp32, max abs diff <= 1e-5).
+Every box of these fp32 fixtures is one byte range of its file, so all are read with preadv.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def _load_and_compare(rank, world, paths: dict, ep: int):
         ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 12))
         with torch.no_grad():
             diff = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+        reader = model.sq_plan.reader()
         out[name] = dict(mismatched=mismatched, diff=diff, local=local_numel, total=total_numel,
-                         carried=list(model.sq_plan.carried))
+                         carried=list(model.sq_plan.carried), direct=reader.direct_reads, mapped=reader.mapped_reads)
     return out
 
 
@@ -59,6 +61,9 @@ def test_sharded_load_matches_transformers(checkpoints, world, ep):
         for rank, r in enumerate(per_rank):
             assert r["mismatched"] == [], f"{name} rank {rank}: local shards differ: {r['mismatched'][:5]}"
             assert r["diff"] <= 1e-5, f"{name} rank {rank}: logits differ by {r['diff']}"
+            # fp32 checkpoint, fp32 model: every box (row shard, expert, expert slice) is read with preadv
+            assert r["direct"] > 0 and r["mapped"] == 0, f"{name} rank {rank}: {r['direct']} boxes read " \
+                f"directly, {r['mapped']} through safetensors"
         # the shards partition the model: no rank holds everything once world > 1
         local = [r["local"] for r in per_rank]
         assert sum(local) == per_rank[0]["total"]

@@ -1,13 +1,23 @@
 """Fill this rank's shards of named model tensors through torch DCP's HuggingFaceStorageReader.
 
-Each request reads one box of one checkpoint tensor (``safe_open(...).get_slice``) straight
-into the box of this rank's local shard it belongs to, so a rank reads only what it holds.
-The reader's metadata comes from the headers scanned once at planning (not re-parsed per
-block), and the planner is a small custom ``LoadPlanner`` whose read items are those boxes.
+Each request reads one box of one checkpoint tensor straight into the box of this rank's local
+shard it belongs to, so a rank reads only what it holds.  A box that is one contiguous byte range
+of its file (a row slice of a row-major tensor: an FSDP row shard, a whole per-expert tensor, an
+expert slice of a fused tensor) whose destination has the checkpoint's dtype is read with
+``os.preadv`` into the shard (no mmap, no intermediate tensor), after ``POSIX_FADV_WILLNEED`` on
+all of the call's ranges; any other box (a column slice, a dtype conversion, an FP8 weight that
+is dequantized) goes through ``safe_open(...).get_slice``.  The reader's metadata comes from the
+headers scanned once at planning (not re-parsed per block), and the planner is a small custom
+``LoadPlanner`` whose read items are those boxes.  Every rank plans its own boxes, so
+``dcp.load`` runs without collectives (``no_dist``); the caller agrees on errors (:func:`agree`).
 """
 
 from __future__ import annotations
 
+import os
+import struct
+import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -21,14 +31,80 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.futures import Future
 
 from sq.errors import LoadRefused
 from sq.load.keymap import Piece
-from sq.load.source import CheckpointSource
+from sq.load.source import CheckpointSource, TensorInfo, open_checked
+
+MAX_PREAD = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call anyway)
+
+
+def byte_range(info: TensorInfo, offsets, lengths) -> tuple[int, int] | None:
+    """(offset in the file's data section, nbytes) of a box of a row-major tensor, or None if the
+    box is not one contiguous range: every dimension after the last partial one is whole and every
+    one before it has length 1 (``[r0:r1, :]``, ``[e, :, :]``, ``[e, i0:i1, :]``)."""
+    shape, offsets, lengths = tuple(info.shape), tuple(offsets), tuple(lengths)
+    if len(shape) != len(offsets) or len(shape) != len(lengths):
+        return None
+    if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        return None
+    last = max((i for i in range(len(shape)) if lengths[i] != shape[i]), default=-1)
+    if any(lengths[i] != 1 for i in range(last)):
+        return None
+    first, stride, n = 0, 1, 1
+    for i in range(len(shape) - 1, -1, -1):
+        first += offsets[i] * stride
+        stride *= shape[i]
+        n *= lengths[i]
+    size = info.dtype.itemsize
+    return info.offsets[0] + first * size, n * size
+
+
+def _coalesce(ranges) -> list[tuple[int, int]]:
+    """Sorted (offset, nbytes) ranges, neighbours and overlaps merged."""
+    out: list[list[int]] = []
+    for off, n in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return [(o, n) for o, n in out]
+
+
+def _will_need(fd: int, ranges) -> None:
+    """Ask the kernel to read ``ranges`` (absolute offsets) ahead, asynchronously; a hint only."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for off, n in _coalesce(ranges):
+        try:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
+
+
+def _data_start(fd: int, path) -> int:
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        raise OSError(f"{path}: too short for a safetensors header (changed since it was scanned?)")
+    return 8 + struct.unpack("<Q", raw)[0]
+
+
+def _pread_into(fd: int, buf: torch.Tensor, offset: int, path) -> None:
+    """Fill the contiguous CPU tensor ``buf`` with the bytes at ``offset`` of ``fd``."""
+    mv = memoryview(buf.view(-1).view(torch.uint8).numpy())
+    done, total = 0, len(mv)
+    while done < total:
+        got = os.preadv(fd, [mv[done:min(total, done + MAX_PREAD)]], offset + done)
+        if got <= 0:
+            raise OSError(f"{path}: {total - done} bytes missing at offset {offset + done} (the file is shorter "
+                          "than its header says: truncated since it was scanned?)")
+        done += got
 
 
 class SqStorageReader(HuggingFaceStorageReader):
-    """HuggingFaceStorageReader whose metadata comes from sq's own header scan (index files only)."""
+    """HuggingFaceStorageReader whose metadata comes from sq's own header scan (index files only),
+    reading contiguous boxes with ``os.preadv`` (see the module docstring)."""
 
     def __init__(self, source: CheckpointSource, thread_count: int = 1):
         super().__init__(str(source.root), thread_count=thread_count)
@@ -42,7 +118,10 @@ class SqStorageReader(HuggingFaceStorageReader):
             storage[MetadataIndex(key, zeros)] = _HFStorageInfo(str(source.path(t.file)), torch.Size(t.shape), t.dtype)
         self._metadata = Metadata(state_dict_metadata=sd_md, storage_data=storage)
         self.source = source
-        self.bytes_read = 0  # checkpoint bytes this rank's boxes covered (what safetensors was asked for)
+        self.bytes_read = 0  # checkpoint bytes this rank's boxes covered (what it asked the files for)
+        self.direct = True  # False: every box through safetensors (the reference path, for tests)
+        self.direct_reads = 0  # boxes read with preadv straight into their shard
+        self.mapped_reads = 0  # boxes read through safetensors (mmap + get_slice)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self._metadata
@@ -53,6 +132,79 @@ class SqStorageReader(HuggingFaceStorageReader):
         for s in req.lengths:
             n *= s
         self.bytes_read += n * self.source.tensors[req.storage_index.fqn].dtype.itemsize
+
+    def _raw(self, key: str) -> bool:
+        """Whether ``key``'s bytes are what the model holds (not an FP8 weight dequantized while read)."""
+        layout = getattr(self, "layout", None)  # Fp8StorageReader
+        return layout is None or key not in layout.scales
+
+    def _open(self, stack: ExitStack, fds: dict, file: str) -> tuple[int, int]:
+        """(fd, data start) of ``file``, opened once per call under the link rule, closed by ``stack``."""
+        if file not in fds:
+            path = self.source.path(file)  # the file (or link target) checked when the folder was scanned
+            fd = stack.enter_context(open_checked(path.parent, path.name)).fileno()
+            fds[file] = fd, _data_start(fd, path)
+        return fds[file]
+
+    def will_need(self, boxes) -> None:
+        """``POSIX_FADV_WILLNEED`` on the byte ranges of ``boxes`` (``(key, offsets, lengths)``) that are
+        contiguous: the kernel starts reading them now.  A hint: files are opened and closed here."""
+        per_file: dict[str, list] = {}
+        for key, offsets, lengths in boxes:
+            info = self.source.tensors[key]
+            rng = byte_range(info, offsets, lengths)
+            if rng is not None and rng[1]:
+                per_file.setdefault(info.file, []).append(rng)
+        with ExitStack() as stack:
+            fds: dict = {}
+            for file, ranges in per_file.items():
+                fd, start = self._open(stack, fds, file)
+                _will_need(fd, [(start + off, n) for off, n in ranges])
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        direct: dict[str, list] = {}  # file -> [(offset in its data section, nbytes, item, dest)]
+        mapped: dict[str, list[ReadItem]] = {}  # path -> items read through safetensors
+        hints: dict[str, list] = {}  # file -> every contiguous range of the call, whichever path reads it
+        for item in plan.items:
+            key = item.storage_index.fqn
+            info = self.source.tensors[key]
+            dest = planner.resolve_tensor(item).detach()
+            rng = byte_range(info, item.storage_offsets, item.lengths)
+            if rng is not None and rng[1]:
+                hints.setdefault(info.file, []).append(rng)
+            if (self.direct and rng is not None and self._raw(key) and dest.dtype == info.dtype
+                    and tuple(dest.shape) == tuple(item.lengths)):
+                direct.setdefault(info.file, []).append((*rng, item, dest))
+            else:
+                mapped.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        with ExitStack() as stack:  # every file opened here is closed on every path
+            fds: dict = {}
+            for file, ranges in hints.items():  # queue every range first: the disk works while we copy
+                fd, start = self._open(stack, fds, file)
+                _will_need(fd, [(start + off, n) for off, n in ranges])
+            for file, items in direct.items():
+                fd, start = self._open(stack, fds, file)
+                path = self.source.path(file)
+                for off, n, item, dest in sorted(items, key=lambda x: x[0]):
+                    in_place = dest.device.type == "cpu" and dest.is_contiguous()
+                    buf = dest if in_place else torch.empty(dest.shape, dtype=dest.dtype)
+                    _pread_into(fd, buf, start + off, path)
+                    if buf is not dest:
+                        dest.copy_(buf)
+                    planner.commit_tensor(item, dest)
+                    self.bytes_read += n
+                    self.direct_reads += 1
+        if mapped:
+            from safetensors import safe_open
+
+            for path, items in mapped.items():
+                with safe_open(filename=path, framework="pt") as f:
+                    for item in items:
+                        self._process_read_request(f, item, planner)
+                        self.mapped_reads += 1
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
 
 
 @dataclass(frozen=True)
@@ -135,14 +287,42 @@ def requests_for(target: torch.Tensor, pieces: list[Piece]) -> tuple[list[ReadRe
 
 
 def dcp_read(source: CheckpointSource, requests: list[ReadRequest], *, reader: SqStorageReader | None = None) -> None:
-    """One collective DCP load of the given boxes (every rank calls it, possibly with none)."""
+    """A local DCP load of this rank's boxes (``no_dist``: no collective; a rank may have none).
+
+    Every rank plans its own boxes, so DCP's central planning (gather the plans, scatter them,
+    gather the results) would only add sync points.  An error is raised on this rank alone: the
+    caller makes every rank agree (:func:`agree`) before its next collective.
+    """
     reader = reader or SqStorageReader(source)
     try:
-        dcp.load({}, storage_reader=reader, planner=BoxLoadPlanner(requests),
-                 process_group=None if dist.is_initialized() else None,
-                 no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({}, storage_reader=reader, planner=BoxLoadPlanner(requests), no_dist=True)
     except CheckpointException as e:  # BaseException in torch: wrap it into ours
         raise LoadRefused(f"reading {source.root} failed: {e}") from None
+
+
+MAX_AGREED_PROBLEMS = 20  # per rank: what one all_gather carries
+
+
+def agree(problems: list[str]) -> None:
+    """Every rank raises the same ``LoadRefused`` listing every rank's problems, or none raises.
+
+    One ``all_gather_object`` (nothing without a process group or at world size 1): call it on
+    every rank, with the local problems, before any collective a failing rank would skip.  A
+    problem that several ranks share is listed once, with the ranks that had it.
+    """
+    problems = [str(p) for p in problems[:MAX_AGREED_PROBLEMS]]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problems)
+        ranks: dict[str, list[int]] = {}
+        for r, ps in enumerate(gathered):
+            for p in ps:
+                ranks.setdefault(p, []).append(r)
+        problems = [f"{p} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for p, rs in ranks.items()]
+    if problems:
+        raise LoadRefused(problems)
 
 
 def module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.dist import ParallelDims, all_ok
+from sq.dist import ParallelDims
 from sq.errors import LoadRefused
-from sq.load.fill import SqStorageReader, dcp_read, module_of, requests_for, set_device
+from sq.load.fill import SqStorageReader, agree, dcp_read, module_of, requests_for, set_device
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
@@ -204,9 +204,42 @@ def _expand_to_modules(model: nn.Module, plan: LoadPlan, names) -> list[str]:
     return [t for t in plan.targets if module_of(model, t)[0] in leaves]
 
 
+def _next_block(plan: LoadPlan, names) -> list[str]:
+    """The names of the block filled after ``names`` (block 0 after the root tensors), or []."""
+    first = names[0] if names else None
+    if first is None or first not in plan.state:
+        return []
+    b = next((i for i, p in enumerate(plan.block_prefixes) if first.startswith(p + ".")), -1)
+    return plan.block_names[b + 1] if b + 1 < len(plan.block_names) else []
+
+
+def _prefetch(plan: LoadPlan, tensors: dict[str, torch.Tensor], names) -> None:
+    """Ask the kernel to start reading this rank's byte ranges of ``names`` (their shards may be
+    on meta: only the boxes are computed).  A hint: a failure here is ignored, the read reports it."""
+    if not names:
+        return
+    try:
+        boxes = []
+        for n in names:
+            if n in tensors and n in plan.keymap.pieces:
+                reqs, _ = requests_for(tensors[n], plan.keymap.pieces[n])
+                boxes += [(r.ckpt_key, r.storage_offsets, r.lengths) for r in reqs]
+        plan.reader().will_need(boxes)
+    except Exception as e:  # noqa: BLE001 - only a hint
+        logger.debug("prefetch of %d tensors skipped: %s", len(names), e)
+
+
 @torch.no_grad()
-def fill(model: nn.Module, plan: LoadPlan, names, *, device: torch.device | str = "cpu") -> None:
-    """Materialize and DCP-fill this rank's shards of ``names`` (collective: same names on every rank)."""
+def fill(model: nn.Module, plan: LoadPlan, names, *, device: torch.device | str = "cpu",
+         prefetch: bool = True) -> None:
+    """Materialize and fill this rank's shards of ``names`` (collective: same names on every rank).
+
+    Each rank reads its own boxes (no collective); one agreement afterwards makes every rank
+    raise the same ``LoadRefused`` if any rank's shards were not covered or not read.  With
+    ``prefetch``, the byte ranges of the next block (:func:`_next_block`) are handed to the
+    kernel's read-ahead once this call's reads are done, so the disk works while the caller
+    computes on this block.
+    """
     names = _expand_to_modules(model, plan, names)
     set_device(model, names, device)
     _retie(model, plan, names)
@@ -214,18 +247,22 @@ def fill(model: nn.Module, plan: LoadPlan, names, *, device: torch.device | str 
         plan.state[n] = "empty"
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    requests, short = [], []
+    requests, problems = [], []
     for n in names:
         t = params[n] if n in params else buffers[n]
         reqs, covered = requests_for(t, plan.keymap.pieces[n])
         requests += reqs
         local = t.to_local() if hasattr(t, "to_local") else t
         if covered != local.numel():
-            short.append(f"{n}: {covered} of {local.numel()} local elements covered")
-    all_ok(not short, "shard coverage check")
-    if short:
-        raise LoadRefused(short)
-    dcp_read(plan.source, requests, reader=plan.reader())
+            problems.append(f"{n}: {covered} of {local.numel()} local elements covered")
+    if not problems:  # a rank short of coverage reads nothing: it raises below, with the others
+        try:
+            dcp_read(plan.source, requests, reader=plan.reader())
+        except LoadRefused as e:
+            problems = e.problems
+        if prefetch:
+            _prefetch(plan, {**buffers, **params}, _next_block(plan, names))
+    agree(problems)  # every rank raises the same error here, or none does
     for n in names:
         plan.state[n] = "filled"
     # non-persistent buffers of the touched modules: recompute, never trust to_empty's garbage
