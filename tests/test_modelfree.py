@@ -1,14 +1,18 @@
 """Model-free quantization (``sq.ptq --model-free``, ``sq.modelfree``): no model is built, and the
-output equals the model path's RTN output tensor for tensor, config included, at 1 and 2 ranks.
+output equals the model path's RTN output tensor for tensor, config included, at 1 and 2 ranks,
+and with dense Linears row-split over 2 ranks.
 
 The model path's outputs (one rank: its 1 vs 2 rank identity is ``test_ptq_moe``'s) and the
 model-free runs each go through one set of forked ranks (``run_ranks``); the CLI's own behaviour
-(automatic fallback, refusals, kill and resume) through ``run_cli``.
+(automatic fallback, refusals, kill and resume, a failed write) through ``run_cli``.
+``SQ_MODELFREE_SPLIT_BYTES=1`` (tests only) row-splits every dense Linear group, which the
+fixtures are far too small to need.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -31,6 +35,10 @@ rules:
   - {match: 'self_attn', scheme: NVFP4A16}
 """
 POINTS = ["after-shard-write:0:1", "manifest-replace:0", "mid-shard-write:1", "index-merge:0"]
+# row-split: every dense Linear group's rows over both ranks; "llama_wide" has Linears of 128-384 rows, so
+# FP8_BLOCK's 128-row blocks are cut between ranks (the other fixtures' < 128 rows all land on one rank)
+SPLIT = {"SQ_MODELFREE_SPLIT_BYTES": "1"}
+SPLIT_CASES = [*CASES, ("llama_wide", "FP8_BLOCK")]
 
 
 def modelfree_jobs(rank, world, jobs) -> list[str | None]:
@@ -47,6 +55,16 @@ def modelfree_jobs(rank, world, jobs) -> list[str | None]:
         except SqError as e:
             out.append(str(e))
     return out
+
+
+def modelfree_split_jobs(rank, world, jobs) -> list[str | None]:
+    """``modelfree_jobs`` with every dense Linear group row-split over the ranks."""
+    os.environ.update(SPLIT)
+    try:
+        return modelfree_jobs(rank, world, jobs)
+    finally:
+        for k in SPLIT:
+            os.environ.pop(k)
 
 
 def _job(ckpt, out, scheme) -> dict:
@@ -70,14 +88,24 @@ def _same(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
-    """The model path's RTN outputs (1 rank) and the model-free ones at 1 and 2 ranks."""
+    """The model path's RTN outputs (1 rank) and the model-free ones at 1 and 2 ranks, and at 2 ranks
+    with every dense Linear group row-split."""
+    import torch
+
+    from sq.testing.checkpoints import build_llama
+
     root = tmp_path_factory.mktemp("modelfree")
-    out = {(a, s, k): root / f"{a}-{s}-{k}" for a, s in CASES for k in ("model", "mf1", "mf2")}
-    assert run_ranks(quantize_jobs, 1, [_job(checkpoints[a], out[a, s, "model"], s) for a, s in CASES],
-                     timeout=300)[0] == [None] * len(CASES)
+    ckpts = {a: checkpoints[a] for a, _ in CASES}
+    ckpts["llama_wide"] = build_llama(root / "llama_wide", dtype=torch.bfloat16, hidden_size=256,
+                                      intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
+    out = {(a, s, k): root / f"{a}-{s}-{k}" for a, s in SPLIT_CASES for k in ("model", "mf1", "mf2", "split2")}
+    assert run_ranks(quantize_jobs, 1, [_job(ckpts[a], out[a, s, "model"], s) for a, s in SPLIT_CASES],
+                     timeout=300)[0] == [None] * len(SPLIT_CASES)
     for world in (1, 2):
-        jobs = [_job(checkpoints[a], out[a, s, f"mf{world}"], s) for a, s in CASES]
+        jobs = [_job(ckpts[a], out[a, s, f"mf{world}"], s) for a, s in CASES]
         assert run_ranks(modelfree_jobs, world, jobs, timeout=300)[0] == [None] * len(CASES)
+    jobs = [_job(ckpts[a], out[a, s, "split2"], s) for a, s in SPLIT_CASES]
+    assert run_ranks(modelfree_split_jobs, 2, jobs, timeout=300)[0] == [None] * len(SPLIT_CASES)
     return out
 
 
@@ -90,6 +118,48 @@ def test_model_free_equals_model_path_at_1_and_2_ranks(runs, arch, scheme):
     # every rank wrote its own files
     writers = {m[1] for p in runs[arch, scheme, "mf2"].iterdir() if (m := re.match(r"model-rank(\d+)-block", p.name))}
     assert writers == {"00000", "00001"}
+
+
+@pytest.mark.parametrize("arch,scheme", SPLIT_CASES)
+def test_row_split_linears_equal_the_model_path(runs, arch, scheme):
+    """Rows of every dense Linear group read and quantized on both ranks (NVFP4's global scale and
+    FP8_BLOCK's block absmax all-reduced, q/k/v and gate/up sharing one global scale across the
+    ranks), gathered to one writer: the same tensors as the model path's."""
+    out = runs[arch, scheme, "split2"]
+    _same(out, runs[arch, scheme, "model"])
+    sig = json.loads((out / "sq_report.json").read_text())["run_signature"]
+    assert sig["row_split"] and all(".layers." in name for name in sig["row_split"])
+
+
+def test_work_is_split_by_bytes_and_rows_only_where_it_balances():
+    from sq.modelfree import Slot, Unit, _row_ranges, split_by_bytes
+    from sq.quant.recipe import make_assigner
+
+    fp8, w4 = (make_assigner(s, 128, [], None).assign("m.layers.0.mlp.down_proj") for s in ("FP8_BLOCK", "W4A16"))
+
+    def dense(n):
+        return Unit(0, [Slot("m.layers.0.mlp.down_proj.weight", "m.layers.0.mlp.down_proj.")], w4, "d", n)
+
+    def expert(n):
+        return Unit(0, [Slot("m.layers.0.mlp.experts.0.down_proj.weight", "p.")], w4, "e", n)
+
+    kept = Unit(0, [Slot("m.layers.0.input_layernorm.weight", None)], None, "k", 100)
+    # many small units: whole units balance, nothing is split
+    assert split_by_bytes([dense(10)] * 20, 4) == ([0, 1, 2, 3] * 5, [])
+    # one Linear dominates: its rows are spread, the rest balance around it
+    assert split_by_bytes([dense(100), dense(10), dense(10)], 2) == ([0, 0, 1], [0])
+    # only dense Linears are split: experts go whole (by index), copied tensors too
+    assert split_by_bytes([expert(100), dense(10), dense(10)], 2)[1] == []
+    assert split_by_bytes([kept, dense(10), dense(10)], 2)[1] == []
+    # a split that would not lower the busiest rank is not made
+    assert split_by_bytes([expert(100), expert(100), expert(100), dense(1)], 2)[1] == []
+    # one rank: nothing to balance; split_at (tests) forces splits, owners take turns
+    assert split_by_bytes([dense(100), dense(10)], 1) == ([0, 0], [])
+    assert split_by_bytes([dense(100), dense(10), kept], 2, split_at=1) == ([0, 1, 0], [0, 1])
+    # rows cut at FP8_BLOCK's 128-row blocks; per-group scales anywhere on a row
+    assert _row_ranges(300, fp8, 2) == [(0, 128), (128, 300)]
+    assert _row_ranges(300, fp8, 4) == [(0, 0), (0, 128), (128, 256), (256, 300)]
+    assert _row_ranges(7, w4, 3) == [(0, 2), (2, 4), (4, 7)]
 
 
 def test_unknown_model_type_is_quantized_without_a_model(checkpoints, runs, tmp_path):
@@ -125,6 +195,71 @@ def test_killed_anywhere_resumes_bit_identical(checkpoints, runs, tmp_path):
     assert not (out / ".sq-run").exists()
     res = run_cli(args, 2, timeout=120)  # finished: nothing to do
     assert res.returncode == 0 and "already complete" in res.output
+
+
+def test_row_split_killed_resumes_bit_identical(checkpoints, runs, tmp_path):
+    """Killed after a layer's file and before its manifest entry, and halfway through a file, with
+    row-split Linears (a resumed run row-splits only the layers it has left): bit-identical."""
+    out = tmp_path / "o"
+    args = ["sq.ptq", "--model", str(checkpoints["llama"]), "--output", str(out), "--algo", "rtn", "--scheme",
+            "W4A16", "--group-size", str(GS), "--timeout", "60", "--model-free"]
+    restarts = []
+    for fault in ["after-shard-write:0:1", "mid-shard-write:1:2", None]:
+        res = run_cli(args, 2, timeout=120, env={**SPLIT, "SQ_FAULT": fault} if fault else SPLIT)
+        restarts += [int(x) for x in re.findall(r"resuming at block (\d+) of 3", res.output)[:1]]
+        assert (res.returncode == 0) == (fault is None), res.output[-3000:]
+    assert restarts == [1, 2], restarts
+    _same(out, runs["llama", "W4A16", "model"])
+
+
+def test_a_failed_write_in_the_writer_thread_is_raised_and_resumes(checkpoints, runs, tmp_path):
+    """Layers are written by a background thread: its error (the disk full halfway through layer 1's
+    file) is the run's error, named as the model path names it, nothing after it is written or
+    recorded, no temporary file is left, and the same command resumes at that layer."""
+    out = tmp_path / "o"
+    args = ["sq.ptq", "--model", str(checkpoints["llama"]), "--output", str(out), "--algo", "rtn", "--group-size",
+            str(GS), "--timeout", "60", "--model-free"]
+    res = run_cli(args, 2, timeout=120, env={"SQ_FAULT": "enospc:1:1"})
+    assert res.returncode != 0
+    assert re.search(r"sq: error: no space left on the device while writing .*model-rank00001-block00001"
+                     r"\.safetensors", res.stderr), res.stderr[-3000:]
+    assert not list(out.glob(".model-rank00001-*.tmp"))  # (rank 0 is killed when rank 1 fails: anywhere)
+    assert not list(out.glob("model-rank00001-block0000[12].safetensors"))
+    manifest = json.loads((out / ".sq-run" / "rank-00001" / "manifest.json").read_text())
+    assert [e["block"] for e in manifest["blocks"]] == [0]
+    res = run_cli(args, 2, timeout=120)
+    assert res.returncode == 0, res.output[-3000:]
+    assert "resuming at block 1 of 3" in res.output
+    _same(out, runs["llama", "W4A16", "model"])
+
+
+def test_nonfinite_row_split_linear_is_refused_on_every_rank_or_kept(checkpoints, tmp_path):
+    """NaN/Inf in a row-split Linear: the all-reduced flag refuses it on every rank at once, naming
+    it; with --skip-nonfinite it is gathered whole, as it is, and listed in ignore -- the same output
+    as one rank quantizing whole tensors."""
+    src = copy_ckpt(checkpoints["llama"], tmp_path / "nan")
+    key = "model.layers.1.mlp.down_proj.weight"
+
+    def poison(t):
+        if key in t:
+            w = t[key].clone()
+            w[3, 5], w[60, 1] = float("nan"), float("inf")  # rows of rank 0 and of rank 1
+            t = {**t, key: w}
+        return t
+
+    edit_tensors(src, poison)
+    args = ["sq.ptq", "--model", str(src), "--algo", "rtn", "--group-size", str(GS), "--timeout", "60",
+            "--model-free"]
+    res = run_cli([*args, "--output", str(tmp_path / "o1")], 2, timeout=120, env=SPLIT, stop_on_failure=False)
+    assert res.codes == [2, 2], res.output[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith(f"sq: error: {key} holds NaN or Inf")]
+    assert len(lines) == 2 and "--skip-nonfinite" in lines[0], res.stderr[-3000:]
+    res = run_cli([*args, "--output", str(tmp_path / "o2"), "--skip-nonfinite"], 2, timeout=120, env=SPLIT)
+    assert res.returncode == 0, res.output[-3000:]
+    res = run_cli([*args, "--output", str(tmp_path / "o3"), "--skip-nonfinite"], 1, timeout=120)
+    assert res.returncode == 0, res.output[-3000:]
+    _same(tmp_path / "o2", tmp_path / "o3")
+    assert "model.layers.1.mlp.down_proj" in _qc(tmp_path / "o2")["ignore"]
 
 
 @pytest.mark.parametrize("extra,needle", [

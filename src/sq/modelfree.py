@@ -3,8 +3,8 @@
 ``python -m sq.ptq --model-free`` (or automatically, when transformers cannot build the
 architecture and the job needs no calibration data) reads the index and the headers, decides
 from names and shapes which tensors are Linear weights, and quantizes each with round-to-nearest
--- the very functions the model path calls (``rtn_rows``, ``compress_weight``), on the whole
-tensor, so the output equals ``sq.ptq --algo rtn``'s tensor for tensor.
+-- the very functions the model path's ``rtn_rows`` calls (``rtn.qparams``, ``rtn.quantize``), then
+``compress_weight`` -- so the output equals ``sq.ptq --algo rtn``'s tensor for tensor.
 
 Classification (docs/model-free.md), inside decoder layers ``<prefix>.layers.<i>.`` with
 ``i < num_hidden_layers`` (later layers -- DeepSeek's MTP -- are carried over as they are):
@@ -19,12 +19,16 @@ Classification (docs/model-free.md), inside decoder layers ``<prefix>.layers.<i>
 Outside the layers everything is kept; ``lm_head`` is listed in ``ignore``.  FP8 block-scaled
 sources are dequantized per tile (``sq.load.fp8.dequantize``) into the config's dtype, their scales
 dropped.  NVFP4-style global scales are shared by fused partners (``sq.anatomy.partner_groups``;
-an expert's gate and up), which always land on one rank.
+an expert's gate and up), which always land on one unit: one rank, or all of them row-split together.
 
 Work: units (a partner group of Linears, one expert of a group, a layer's other tensors) go to
-ranks by bytes, greedily; each rank writes ``model-rank{r}-block{b}`` files and records each
-layer in its manifest (``sq.resume``); rank 0 writes the root and carried tensors, config,
-report and, last, the index.  No collective runs between the refusals and the final stage.
+ranks by bytes, greedily; when a few dense Linears leave ranks unbalanced, their rows are split
+over every rank (``split_by_bytes``, ``_split_pass``: statistics that span rows all-reduced once,
+rows gathered to one writer).  Each rank reads its units a few ahead in a thread, quantizes, and
+hands each layer to a writer thread that writes ``model-rank{r}-block{b}`` and records the layer in
+its manifest (``sq.resume``), so reading, quantizing and writing overlap; rank 0 writes the root and
+carried tensors, config, report and, last, the index.  The only collectives between the refusals
+and the final stage are the row-split pass's, before the first layer.
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load as st_load
 
 from sq.dist import rank0_stage
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
-from sq.files import CARRIED_NAME, REPORT_NAME, shard_name
+from sq.files import CARRIED_NAME, REPORT_NAME, safetensors_bytes, shard_name
 from sq.load import fp8
 from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
 from sq.load.source import scan_checkpoint
@@ -565,7 +570,8 @@ def _share_global(slots: list[Slot], stats: list) -> None:
                 st["global_absmax"] = shared.clone()
 
 
-def _quantize_unit(unit: Unit, fetched: list, reader: _Reader, skip_nonfinite: bool) -> tuple[dict, list[str], list[str]]:
+def _quantize_unit(unit: Unit, fetched: list, reader: _Reader,
+                   skip_nonfinite: bool) -> tuple[dict, list[str], list[str]]:
     """The unit's output tensors (from its ``fetch_unit``), the Linears left unquantized for NaN/Inf, and refusals."""
     if unit.scheme is None:
         return {s.key: reader.convert(s.key, f) for s, f in zip(unit.slots, fetched)}, [], []
@@ -664,20 +670,22 @@ def _split_pass(units: list[Unit], owners: list[int], reader: _Reader, skip_nonf
         for ui, (u, part, owner) in enumerate(zip(units, parts, owners)):
             st = [None if b else (x or None) for x, b in zip(stats[ui], bad[ui])]
             _share_global(u.slots, st)
-            mine = []
+            mine = {}  # "slot.part" -> this rank's rows of it (codes, row scales; the rows themselves for NaN/Inf)
             for si, (s, f) in enumerate(zip(part.slots, ahead.get())):
-                if s.hi == s.lo:
-                    mine.append(None)
-                    continue
-                w = reader.convert(s.key, f, s.lo)
-                mine.append({"w": w} if bad[ui][si] else _rtn(w, u.scheme, st[si], row_offset=s.lo))
+                if s.hi > s.lo:
+                    w = reader.convert(s.key, f, s.lo)
+                    res = {"w": w} if bad[ui][si] else _rtn(w, u.scheme, st[si], row_offset=s.lo)
+                    mine.update({f"{si}.{k}": v for k, v in res.items() if v is not None})
+            # as safetensors bytes: exact for every dtype (pickled float8 tensors do not load back)
             got = [None] * world if rank == owner else None
-            dist.gather_object(mine, got, dst=owner)
+            dist.gather_object(safetensors_bytes(mine), got, dst=owner)
             del mine
             if rank == owner:
+                pieces = [st_load(g) for g in got]
                 tensors, skipped = ready.setdefault(u.block, ({}, []))
                 for si, s in enumerate(u.slots):
-                    tensors.update(_assemble(s, u.scheme, [g[si] for g in got if g[si] is not None],
+                    by_rank = [{k.partition(".")[2]: v for k, v in p.items() if k.startswith(f"{si}.")} for p in pieces]
+                    tensors.update(_assemble(s, u.scheme, [r for r in by_rank if r],
                                              reader.source.tensors[s.key].shape, skipped))
             del got
     finally:
@@ -691,9 +699,9 @@ def _assemble(slot: Slot, scheme, pieces: list[dict], shape, skipped: list[str])
         skipped.append(slot.out_prefix.removesuffix("."))
         return {slot.key: torch.cat([p["w"] for p in pieces])}
     rows = rtn.scales_follow_rows(scheme)  # else every rank computed the whole scale (2-D blocks)
-    whole = {"q": torch.cat([p["q"] for p in pieces]), "global_scale": pieces[0]["global_scale"]}
+    whole = {"q": torch.cat([p["q"] for p in pieces]), "global_scale": pieces[0].get("global_scale")}
     for k in ("scale", "zero_point"):
-        whole[k] = None if pieces[0][k] is None else torch.cat([p[k] for p in pieces]) if rows else pieces[0][k]
+        whole[k] = None if k not in pieces[0] else torch.cat([p[k] for p in pieces]) if rows else pieces[0][k]
     return {slot.out_prefix + rel: v for rel, v in _compress(whole, scheme, shape).items()}
 
 
