@@ -220,7 +220,7 @@ def test_a_failed_read_leaves_no_file_open(checkpoints, tmp_path, monkeypatch, h
         os.truncate(victim, victim.stat().st_size - 64)
     else:
         calls = []
-        real = F._pread_into
+        real = F.pread_into
 
         def failing(fd, buf, offset, path):
             calls.append(path)
@@ -228,7 +228,7 @@ def test_a_failed_read_leaves_no_file_open(checkpoints, tmp_path, monkeypatch, h
                 raise OSError(5, "Input/output error (injected)")
             return real(fd, buf, offset, path)
 
-        monkeypatch.setattr(F, "_pread_into", failing)
+        monkeypatch.setattr(F, "pread_into", failing)
     before = _open_fds()
     with pytest.raises(LoadRefused) as e:
         fill(model, plan, names)
@@ -256,7 +256,7 @@ def _one_rank_fails(rank, world, path):
         def failing(fd, buf, offset, path):
             raise OSError(5, "disk on fire (injected)")
 
-        F._pread_into = failing
+        F.pread_into = failing
     try:
         fill(model, plan, plan.block_names[0])
         err = None

@@ -120,3 +120,18 @@ def test_bad_input_raises_sqerror():
         rtn.compute_qparams(torch.randn(4, 96), s)
     with pytest.raises(SqError, match="2-D"):
         rtn.compute_qparams(torch.randn(4), s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_all_finite_sees_nan_and_inf_in_every_weight_dtype(dtype):
+    from sq.quant.rtn import all_finite
+    w = torch.randn(8, 16).to(dtype)
+    assert all_finite(w) and all_finite(w[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        if dtype == torch.float8_e4m3fn and bad != bad:
+            w2 = w.clone(); w2.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn's NaN bit pattern
+        elif dtype == torch.float8_e4m3fn:
+            continue  # e4m3fn has no infinity
+        else:
+            w2 = w.clone(); w2[3, 5] = bad
+        assert not all_finite(w2), (dtype, bad)

@@ -38,7 +38,6 @@ import math
 import os
 import queue
 import re
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,9 +55,11 @@ from sq.export.compressed import compress_weight, quantization_config
 from sq.files import CARRIED_NAME, REPORT_NAME, safetensors_bytes, shard_name
 from sq.load import fp8
 from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
-from sq.load.source import scan_checkpoint
+from sq.load.fill import data_start, pread_into
+from sq.load.source import open_checked, scan_checkpoint
 from sq.memory import trim_heap
 from sq.quant import rtn
+from sq.quant.algorithms import rtn_codes
 from sq.quant.formats import required_reductions, spec_for
 from sq.quant.pipeline import claim_output, raise_all, versions
 from sq.quant.primitives import PerBlock
@@ -361,26 +362,30 @@ class _Reader:
 
     def __init__(self, source, layout, dtype: torch.dtype):
         self.source, self.layout, self.dtype = source, layout, dtype
-        self.files: dict[str, tuple[int, int]] = {}  # file -> (fd, start of its data section)
+        self.files: dict[str, tuple] = {}  # file -> (open file, start of its data section)
         self.lock = threading.Lock()
         fp32 = fp32_patterns(source.config, dtype)
         self.fp32 = re.compile("|".join(re.escape(p) for p in fp32)) if fp32 else None
 
     def _file(self, name: str) -> tuple[int, int]:
+        """(fd, start of the data section) of ``name``, opened once under the loader's link rule."""
         with self.lock:
             if name not in self.files:
-                fd = os.open(self.source.path(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                head = os.pread(fd, 8, 0)
-                if len(head) != 8:
-                    os.close(fd)
-                    raise SqError(f"{self.source.path(name)} is shorter than a safetensors header")
-                self.files[name] = (fd, 8 + struct.unpack("<Q", head)[0])
-            return self.files[name]
+                path = self.source.path(name)
+                f = open_checked(path.parent, path.name)
+                try:
+                    start = data_start(f.fileno(), path)
+                except OSError:
+                    f.close()
+                    raise SqError(f"{path} is shorter than a safetensors header") from None
+                self.files[name] = (f, start)
+            f, start = self.files[name]
+            return f.fileno(), start
 
     def close(self) -> None:
         with self.lock:
-            for fd, _ in self.files.values():
-                os.close(fd)
+            for f, _ in self.files.values():
+                f.close()
             self.files.clear()
 
     def read(self, key: str, lo: int = 0, hi: int | None = None, e: int | None = None) -> torch.Tensor:
@@ -397,12 +402,11 @@ class _Reader:
             row_bytes = info.dtype.itemsize * math.prod(inner)
             first, shape, nbytes = ((e or 0) * rows + lo) * row_bytes, (hi - lo, *inner), (hi - lo) * row_bytes
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        view, done, at = memoryview(buf.numpy()), 0, data + info.offsets[0] + first
-        while done < nbytes:  # a read may return less than asked (and at most ~2 GB at a time)
-            got = os.preadv(fd, [view[done:]], at + done)
-            if got <= 0:
-                raise SqError(f"{self.source.path(info.file)} ends inside tensor {key}: the file is truncated")
-            done += got
+        path = self.source.path(info.file)
+        try:
+            pread_into(fd, buf, data + info.offsets[0] + first, path)
+        except EOFError:
+            raise SqError(f"{path} ends inside tensor {key}: the file is truncated") from None
         return buf.view(info.dtype).reshape(shape)
 
     def fetch(self, key: str, lo: int = 0, hi: int | None = None, e: int | None = None):
@@ -530,27 +534,16 @@ def _no_space_injected() -> None:
 
 
 def _rtn(w: torch.Tensor, scheme, stats, row_offset: int = 0) -> dict:
-    """``rtn_rows``'s quantization of rows ``w`` (the same ``qparams`` and ``quantize`` calls, so the
-    same codes and scales) without the dequantized copy the model path writes back into its model
-    and this path never reads (for FP8_BLOCK it is most of the time)."""
-    qp = rtn.qparams(w, scheme, stats=stats)
-    q = rtn.quantize(w, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+    """``rtn_rows``'s codes and scales of rows ``w`` (``rtn_codes``: the same calls), without the
+    dequantized copy the model path writes back into its model and this path never reads (for
+    FP8_BLOCK it is most of the time)."""
+    qp, q = rtn_codes(w, scheme, stats, row_offset)
     return {"q": q, "scale": qp.scale, "zero_point": qp.zero_point, "global_scale": qp.global_scale}
 
 
 def _compress(parts: dict, scheme, shape) -> dict:
     return compress_weight((parts["q"], parts["scale"], parts["zero_point"]), scheme, tuple(shape),
                            global_scale=parts["global_scale"])
-
-
-def _finite(w: torch.Tensor) -> bool:
-    """Whether ``w`` holds no NaN or Inf: ``aminmax`` propagates NaN and shows an infinity, in one
-    vectorized pass (``isfinite(w).all()`` on a bf16 CPU tensor costs ~50x more: it was a third of
-    a rank's time)."""
-    if w.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(w)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def _nonfinite_problem(key: str, dense: bool) -> str:
@@ -577,7 +570,7 @@ def _quantize_unit(unit: Unit, fetched: list, reader: _Reader,
         return {s.key: reader.convert(s.key, f) for s, f in zip(unit.slots, fetched)}, [], []
     ws = [reader.convert(s.key, f, s.lo, expert=s.e is not None) for s, f in zip(unit.slots, fetched)]
     del fetched
-    bad = [i for i, w in enumerate(ws) if not _finite(w)]
+    bad = [i for i, w in enumerate(ws) if not rtn.all_finite(w)]
     out, skipped = {}, []
     if bad:
         dense = unit.slots[0].e is None and not _EXPERT.match(unit.slots[0].key)
@@ -616,7 +609,7 @@ def _reduced_stats(units: list[Unit], parts: list[Unit], reader: _Reader) -> tup
         for ui, (u, part) in enumerate(zip(units, parts)):
             for si, (s, f) in enumerate(zip(part.slots, ahead.get())):
                 w = reader.convert(s.key, f, s.lo)
-                chunks.append(torch.tensor([0.0 if _finite(w) else 1.0], dtype=torch.float64))
+                chunks.append(torch.tensor([0.0 if rtn.all_finite(w) else 1.0], dtype=torch.float64))
                 for red in required_reductions(u.scheme):
                     t = red.local(w, row_offset=s.lo, rows=reader.source.tensors[s.key].shape[0])
                     where.append((ui, si, red.stat, red.op, t.shape, t.dtype))

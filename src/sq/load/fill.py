@@ -83,21 +83,22 @@ def _will_need(fd: int, ranges) -> None:
             return
 
 
-def _data_start(fd: int, path) -> int:
+def data_start(fd: int, path) -> int:
     raw = os.pread(fd, 8, 0)
     if len(raw) < 8:
         raise OSError(f"{path}: too short for a safetensors header (changed since it was scanned?)")
     return 8 + struct.unpack("<Q", raw)[0]
 
 
-def _pread_into(fd: int, buf: torch.Tensor, offset: int, path) -> None:
-    """Fill the contiguous CPU tensor ``buf`` with the bytes at ``offset`` of ``fd``."""
+def pread_into(fd: int, buf: torch.Tensor, offset: int, path) -> None:
+    """Fill the contiguous CPU tensor ``buf`` with the bytes at ``offset`` of ``fd``.  Raises
+    ``EOFError`` where the file ends first (an I/O error stays an ``OSError``)."""
     mv = memoryview(buf.view(-1).view(torch.uint8).numpy())
     done, total = 0, len(mv)
     while done < total:
         got = os.preadv(fd, [mv[done:min(total, done + MAX_PREAD)]], offset + done)
         if got <= 0:
-            raise OSError(f"{path}: {total - done} bytes missing at offset {offset + done} (the file is shorter "
+            raise EOFError(f"{path}: {total - done} bytes missing at offset {offset + done} (the file is shorter "
                           "than its header says: truncated since it was scanned?)")
         done += got
 
@@ -143,7 +144,7 @@ class SqStorageReader(HuggingFaceStorageReader):
         if file not in fds:
             path = self.source.path(file)  # the file (or link target) checked when the folder was scanned
             fd = stack.enter_context(open_checked(path.parent, path.name)).fileno()
-            fds[file] = fd, _data_start(fd, path)
+            fds[file] = fd, data_start(fd, path)
         return fds[file]
 
     def will_need(self, boxes) -> None:
@@ -156,10 +157,13 @@ class SqStorageReader(HuggingFaceStorageReader):
             if rng is not None and rng[1]:
                 per_file.setdefault(info.file, []).append(rng)
         with ExitStack() as stack:
-            fds: dict = {}
-            for file, ranges in per_file.items():
-                fd, start = self._open(stack, fds, file)
-                _will_need(fd, [(start + off, n) for off, n in ranges])
+            self._hint(stack, {}, per_file)
+
+    def _hint(self, stack: ExitStack, fds: dict, per_file: dict[str, list]) -> None:
+        """WILLNEED on ``per_file``'s ranges (file -> [(offset in its data section, nbytes)])."""
+        for file, ranges in per_file.items():
+            fd, start = self._open(stack, fds, file)
+            _will_need(fd, [(start + off, n) for off, n in ranges])
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         direct: dict[str, list] = {}  # file -> [(offset in its data section, nbytes, item, dest)]
@@ -179,16 +183,14 @@ class SqStorageReader(HuggingFaceStorageReader):
                 mapped.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         with ExitStack() as stack:  # every file opened here is closed on every path
             fds: dict = {}
-            for file, ranges in hints.items():  # queue every range first: the disk works while we copy
-                fd, start = self._open(stack, fds, file)
-                _will_need(fd, [(start + off, n) for off, n in ranges])
+            self._hint(stack, fds, hints)  # queue every range first: the disk works while we copy
             for file, items in direct.items():
                 fd, start = self._open(stack, fds, file)
                 path = self.source.path(file)
                 for off, n, item, dest in sorted(items, key=lambda x: x[0]):
                     in_place = dest.device.type == "cpu" and dest.is_contiguous()
                     buf = dest if in_place else torch.empty(dest.shape, dtype=dest.dtype)
-                    _pread_into(fd, buf, start + off, path)
+                    pread_into(fd, buf, start + off, path)
                     if buf is not dest:
                         dest.copy_(buf)
                     planner.commit_tensor(item, dest)

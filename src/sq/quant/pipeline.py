@@ -269,7 +269,7 @@ def _nonfinite(linears: list[Linear], experts, device) -> list[str]:
         return []
     local = [local_box(l.module.weight)[0] for l in linears]
     local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in EXPERT_PARAMS]
-    flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.int32, device=device)
+    flags = torch.tensor([not rtn.all_finite(t) for t in local], dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [n for n, f in zip(names, flags.tolist()) if f]
 

@@ -23,6 +23,7 @@ for symmetric schemes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -133,3 +134,15 @@ def fake_quantize(w: Tensor, scheme: QuantScheme, *, stats: Mapping[str, Tensor]
                   row_offset: int = 0) -> Tensor:
     """RTN quantize-dequantize of ``w``, in ``w.dtype``."""
     return primitives.fake_quantize(w, spec_for(scheme), stats=stats, row_offset=row_offset)
+
+
+def all_finite(w: torch.Tensor) -> bool:
+    """Whether ``w`` holds no NaN or Inf: ``aminmax`` propagates NaN and shows an infinity, in one
+    vectorized pass (``isfinite(w).all()`` on a bf16 CPU tensor costs ~50x more: it was a third of
+    a model-free rank's time)."""
+    if w.numel() == 0:
+        return True
+    if w.element_size() == 1:  # float8 kinds: aminmax has no CPU kernel for them
+        return bool(torch.isfinite(w.float()).all())
+    lo, hi = torch.aminmax(w)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))

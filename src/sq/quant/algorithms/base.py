@@ -36,8 +36,8 @@ from sq.quant import rtn
 from sq.quant.experts import local_experts, segment_rows
 from sq.quant.settings import AlgoConfig
 
-__all__ = ["Algorithm", "BlockWork", "Solved", "rtn_rows", "register", "algorithm_names", "config_type",
-           "make_algorithm", "algo_config", "add_arguments", "config_from_namespace"]
+__all__ = ["Algorithm", "BlockWork", "Solved", "rtn_rows", "rtn_codes", "register", "algorithm_names", "config_type",
+           "make_algorithm", "algo_config", "rtn_codes", "add_arguments", "config_from_namespace"]
 
 
 @dataclass
@@ -95,13 +95,19 @@ class BlockWork:
     weight_dtype: torch.dtype | None = None
 
 
+def rtn_codes(w: torch.Tensor, scheme, stats=None, row_offset: int = 0):
+    """Round-to-nearest codes of the rows ``w``: ``(qparams, q)``, without the dequantized copy
+    (what the model-free path writes; ``rtn_rows`` adds the copy the model path writes back)."""
+    qp = rtn.qparams(w, scheme, stats=stats)
+    return qp, rtn.quantize(w, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+
+
 def rtn_rows(w: torch.Tensor, scheme, stats=None, row_offset: int = 0) -> Solved:
     """Round-to-nearest of the rows ``w [rows, in]`` (what every algorithm is compared with).
 
     ``stats``: the weight's cross-row statistics, all-reduced (None for row-independent schemes);
     ``row_offset``: the first row of ``w`` in the weight (block scales are indexed by it)."""
-    qp = rtn.qparams(w, scheme, stats=stats)
-    q = rtn.quantize(w, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+    qp, q = rtn_codes(w, scheme, stats, row_offset)
     deq = rtn.dequantize(q, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
     return Solved(q, qp.scale, qp.zero_point, deq.to(w.dtype), global_scale=qp.global_scale)
 
