@@ -64,3 +64,39 @@ def test_command_lines_bound_the_caches_before_their_body_runs(monkeypatch):
     seen = {}
     assert run_cli(lambda: seen.update(os.environ)) == 0
     assert (seen["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], seen["LRU_CACHE_CAPACITY"]) == ("32", "32")
+
+
+_FAULTS = r"""
+import resource, sys, torch
+from sq.memory import tune_heap
+if sys.argv[1] == "tuned":
+    assert tune_heap()
+else:
+    import ctypes; ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # sq's policy before 2026-12-03
+def step():
+    a = torch.ones(4 << 20)  # 16 MiB: an activation of a calibration batch
+    del a
+for _ in range(12):  # the heap grows to its working size (glibc: a few steps)
+    step()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+def test_tuned_heap_reuses_freed_activations_without_faulting_them_in_again():
+    """sq.ptq's heap policy (``tune_heap``): a freed 16 MiB buffer is served again from the heap, not
+    mapped afresh and faulted in page by page on every calibration step (the 64 KiB mmap threshold
+    sq used before cost SignRound a third of its CPU time in the kernel)."""
+    import subprocess
+    import sys
+
+    def faults(mode):
+        r = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout.split()[-1])
+
+    pages = 10 * (16 << 20) // 4096
+    assert faults("mapped") > pages // 2  # the old policy: every step faults its 4096 pages in again
+    assert faults("tuned") < pages // 20

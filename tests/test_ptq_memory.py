@@ -27,7 +27,7 @@ The two leaks it found: (1) FSDP2's ``FSDPParam._sharded_param_data`` kept each 
 local shard alive after ``free()`` moved the parameter to meta (``reset_sharded_param`` returns
 early for a meta tensor): one shard per block; (2) glibc's dynamic mmap threshold: freed 2-32 MiB
 buffers (shards, Hessians, Cholesky factors) were served from a heap that fragments and never
-shrinks (~40 MiB per GPTQ block at hidden 1024); fixed by ``sq.memory.prefer_mmap_for_large_allocations``.
+shrinks (~40 MiB per GPTQ block at hidden 1024); fixed then by mapping every buffer over 64 KiB, now by ``sq.memory.tune_heap`` (32 MiB) with ``trim_heap`` after each block.
 The runs use ``harness.run_cli`` (ranks forked from a server that imported torch, transformers and sq;
 ``VmHWM`` is the rank's own peak, the inherited pages included): rtn 440 -> 441 MiB, gptq 651 -> 652 MiB
 per rank, about 50 MiB under the torchrun figures above, with every sensitivity check still passing.

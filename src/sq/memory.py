@@ -59,18 +59,29 @@ def io_read_bytes() -> int:
     return 0
 
 
-def prefer_mmap_for_large_allocations(threshold: int = 64 * 1024) -> bool:
-    """Ask glibc to serve allocations above ``threshold`` with mmap, so freed block tensors go back
-    to the OS instead of fragmenting the heap (peak RSS would otherwise creep up per block).
-    No-op (False) where glibc's ``mallopt`` is unavailable."""
-    import ctypes
-    import ctypes.util
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_MMAP_THRESHOLD = 32 << 20
+HEAP_TRIM_THRESHOLD = 64 << 20
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
+
+def tune_heap(mmap_threshold: int = HEAP_MMAP_THRESHOLD, trim_threshold: int = HEAP_TRIM_THRESHOLD) -> bool:
+    """Set glibc's heap policy for a quantization run: buffers above ``mmap_threshold`` are mapped
+    (returned to the OS on free), smaller ones come from the heap, which shrinks itself once
+    ``trim_threshold`` is free at its top; :func:`trim_heap` after each block returns the rest, so
+    the private RSS stays flat in depth.  No-op (False) where glibc's ``mallopt`` is unavailable.
+
+    Why not map everything above 64 KiB (sq before 2026-12-03): every freed activation or
+    gradient then went back to the OS and the next step faulted its pages in again -- SignRound on
+    2 ranks spent 41 of 136 CPU-seconds in the kernel (6 s with these values) and ran 1.5x slower;
+    the calibration forwards of every algorithm paid the same per batch.  Why not glibc's dynamic
+    threshold: it only ever rises, so 2-32 MiB buffers fragment a heap that never shrinks by
+    itself (~40 MiB per GPTQ block at hidden 1024, tests/test_ptq_memory.py), which the per-block
+    trim now undoes.
+    """
+    if _libc() is None:
         return False
+    return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(_LIBC.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 # oneDNN's primitive cache and PyTorch's ideep cache above it each keep a compiled CPU kernel per
@@ -110,6 +121,13 @@ def trim_heap() -> bool:
     freed heap is not returned to the OS by itself: without this the private RSS of a long MoE run
     creeps up block after block.  Called once per block; it costs milliseconds.
     """
+    if _libc() is None:
+        return False
+    return bool(_LIBC.malloc_trim(0))
+
+
+def _libc():
+    """glibc through ctypes (cached), or None where it (or ``malloc_trim`` / ``mallopt``) is missing."""
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -118,8 +136,7 @@ def trim_heap() -> bool:
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         except (OSError, AttributeError):
             _LIBC = False
-    if not _LIBC:
-        return False
-    return bool(_LIBC.malloc_trim(0))
+    return _LIBC or None

@@ -116,11 +116,11 @@ def main(argv=None) -> int:
     def body():
         from sq import modelfree
         from sq.dist import init_distributed, setup_logging
-        from sq.memory import prefer_mmap_for_large_allocations
+        from sq.memory import tune_heap
         from sq.quant.blockwise import quantize_model
 
         cfg, model_free = parse_args(argv, with_model_free=True)
-        prefer_mmap_for_large_allocations()
+        tune_heap()
         env = init_distributed(timeout_s=cfg.timeout_s)
         setup_logging(env.rank)
         run = modelfree.quantize_checkpoint if modelfree.wanted(cfg, model_free) else quantize_model

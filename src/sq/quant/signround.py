@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -368,9 +369,24 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
     n_local = fp_rows.shape[0]
     share = min(bs // world + (rank < bs % world), n_local)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + block_index) * 4099 + rank)
+    numel_per_sample = fp_rows[0].numel()
+    clock = _Clock()
+    frozen = [p for p in block.parameters() if p.requires_grad]
+    for p in frozen:  # the block's own weights are constants here: no gradient, no FSDP2 grad sync
+        p.requires_grad_(False)
+    try:
+        first, best = _loop(block, slots, q_rows, fp_rows, kw0, micro, bs, share, n_local, gen, cfg,
+                            numel_per_sample, clock)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return {"loss_first": first, "loss_best": best if first is not None else None,
+            **{f"{k}_s": round(v, 3) for k, v in clock.seconds.items()}}
+
+
+def _loop(block, slots, q_rows, fp_rows, kw0, micro, bs, share, n_local, gen, cfg, numel_per_sample, clock):
     lr0 = cfg.step_size
     best, first = float("inf"), None
-    numel_per_sample = fp_rows[0].numel()
     for it in range(cfg.iters):
         mine = torch.randperm(n_local, generator=gen)[:share].sort().values.tolist()
         real = bool(mine)
@@ -378,15 +394,18 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
         with torch.enable_grad():
             # the tuned weights as the checkpoint would hold them, seen in the forward's dtype
             weights = [(s.module, s.pname, s.full_qdq().to(q_rows.dtype)) for s in slots]
+            clock.lap("qdq")
             with _Swapped(weights):
                 y = _out(block.forward(q_rows[rows], **_batch_kwargs(kw0, micro, len(rows))))
             diff = (y.float() - fp_rows[rows].float())
             loss = diff.pow(2).sum() / (bs * numel_per_sample)
             if not real:
                 loss = loss * 0.0
+            clock.lap("forward")
             total = loss.detach().clone()
             dist.all_reduce(total)
             total = float(total)
+            clock.lap("loss_sync")
             if first is None:
                 first = total
             if total < best:
@@ -396,8 +415,23 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
             if it == cfg.iters - 1:
                 break  # the last step's update would never be evaluated
             loss.backward()
+            clock.lap("backward")
         lr = lr0 * (1.0 - it / cfg.iters)
         for s in slots:
             s.step(lr)
-    return {"loss_first": first, "loss_best": best if first is not None else None}
+        clock.lap("step")
+    return first, best
+
+
+class _Clock:
+    """Seconds spent per phase of the tuning loop (the block report's ``qdq_s``, ``forward_s``, ...)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.t
+        self.t = now
 
