@@ -66,6 +66,21 @@ def test_e2m1_rounding_equals_library(dtype):
     assert torch.equal(unpack_fp4_from_uint8(pack_fp4_to_uint8(q), 1, q.shape[1], dtype), q)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_e2m1_rounding_equals_library_on_every_value(dtype):
+    """Every finite bf16 / fp16 value (fp32: both neighbours of every midpoint and value, and a
+    million random values), bit for bit with the library's ``cast_to_fp4``."""
+    if dtype == torch.float32:
+        edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 7.0])
+        x = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1),
+                       torch.randn(1_000_000) * 3])
+        x = torch.cat([x, -x])
+    else:
+        x = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(dtype)
+        x = x[torch.isfinite(x)]
+    assert torch.equal(exact_bits(P.round_to_e2m1(x)), exact_bits(cast_to_fp4(x.clone())))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_power_of_two_rounding_equals_library(dtype):
     g = torch.Generator().manual_seed(1)
