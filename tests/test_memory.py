@@ -69,10 +69,8 @@ def test_command_lines_bound_the_caches_before_their_body_runs(monkeypatch):
 _FAULTS = r"""
 import resource, sys, torch
 from sq.memory import tune_heap
-if sys.argv[1] == "tuned":
-    assert tune_heap()
-else:
-    import ctypes; ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # sq's policy before 2026-12-03
+# "mapped": the user set glibc's MALLOC_MMAP_THRESHOLD_=65536 (sq's policy before 2026-12-03), kept
+assert tune_heap() == (sys.argv[1] == "tuned")
 def step():
     a = torch.ones(4 << 20)  # 16 MiB: an activation of a calibration batch
     del a
@@ -88,12 +86,18 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 def test_tuned_heap_reuses_freed_activations_without_faulting_them_in_again():
     """sq.ptq's heap policy (``tune_heap``): a freed 16 MiB buffer is served again from the heap, not
     mapped afresh and faulted in page by page on every calibration step (the 64 KiB mmap threshold
-    sq used before cost SignRound a third of its CPU time in the kernel)."""
+    sq used before cost SignRound a third of its CPU time in the kernel); a user's own glibc setting
+    is left alone."""
+    import os
     import subprocess
     import sys
 
     def faults(mode):
-        r = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=120)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        if mode == "mapped":
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        r = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=120,
+                           env=env)
         assert r.returncode == 0, r.stderr
         return int(r.stdout.split()[-1])
 

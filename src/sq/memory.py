@@ -77,9 +77,14 @@ def tune_heap(mmap_threshold: int = HEAP_MMAP_THRESHOLD, trim_threshold: int = H
     the calibration forwards of every algorithm paid the same per batch.  Why not glibc's dynamic
     threshold: it only ever rises, so 2-32 MiB buffers fragment a heap that never shrinks by
     itself (~40 MiB per GPTQ block at hidden 1024, tests/test_ptq_memory.py), which the per-block
-    trim now undoes.
+    trim now undoes.  The price: freed buffers wait on the heap for the next step, so a SignRound
+    rank's peak RSS on SmolLM2 rose 0.75 -> 1.24 GB (flat across blocks).  A user who sets glibc's
+    own ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` keeps that policy (False here);
+    ``MALLOC_MMAP_THRESHOLD_=65536`` restores sq's earlier, leaner and slower one.
     """
-    if _libc() is None:
+    import os
+
+    if _libc() is None or any(v in os.environ for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False
     return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(_LIBC.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
