@@ -189,3 +189,20 @@ def test_per_tensor_format_with_declared_reductions_shards_exactly(symmetric):
             assert (z is None and zp is None) or torch.equal(z, zp)
         # what the reductions prevent: a shard's own per-tensor scale differs from the whole's
         assert not torch.equal(rtn.compute_qparams(w[36:], s)[0], scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp4_packing_equals_the_library_on_any_input(dtype):
+    """sq's CPU packer is the library's ``pack_fp4_to_uint8`` (its own CPU function, called by name),
+    byte for byte: every e2m1 value with both signs (-0.0 included), and values that are not e2m1
+    (the library's rules for them too)."""
+    from compressed_tensors.utils.impl_backend import ImplBackend
+
+    from sq.quant.formats import pack_fp4_cpu
+
+    vals = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6,
+                         2.5, 5, 7, 12, 63.5, -64, 100, 1000, -1000])
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 2), (64, 32), (333, 128)]:
+        x = vals[torch.randint(0, len(vals), shape, generator=g)].to(dtype)
+        assert torch.equal(pack_fp4_cpu(x), ImplBackend.call("pack_fp4_to_uint8", x)), shape
