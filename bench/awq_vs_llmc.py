@@ -1,7 +1,7 @@
 """AWQ side by side: sq (``--algo awq``, 2 ranks) vs llm-compressor 0.14's ``AWQModifier`` (issue 18).
 
     .venv/bin/python bench/awq_vs_llmc.py [--model demo:smollm2] [--group-size 64] [--nsamples 128]
-        [--seqlen 512] [--work bench/_work/awq] [--gptq] [--skip-llmc]
+        [--seqlen 512] [--work bench/_work/awq] [--gptq] [--skip-llmc | --skip-sq] [--peer-dtype float32]
 
 Standard benchmark (docs/benchmarks.md): W4A16 group 64, calibration = the first
 ``nsamples x seqlen`` tokens of ``builtin:pydoc`` as consecutive windows (the same tokens on both
@@ -52,7 +52,7 @@ def llmc_worker(args) -> int:
         IntermediatesCache.pin_memory = lambda self, *a, **k: None
     scheme = preset_name_to_scheme("W4A16", ["Linear"])
     scheme.weights = scheme.weights.model_copy(update={"group_size": args.group_size})
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.peer_dtype, device_map="cpu")
     tok = AutoTokenizer.from_pretrained(args.model)
     text = "\n\n".join(topics[k] for k in sorted(topics))  # sq's builtin:pydoc
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"][: args.nsamples * args.seqlen]
@@ -91,6 +91,10 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "_work" / "awq")
     p.add_argument("--gptq", action="store_true", help="AWQ followed by GPTQ on both sides")
     p.add_argument("--skip-llmc", action="store_true")
+    p.add_argument("--skip-sq", action="store_true", help="llm-compressor's side only (sq's kept from an earlier run)")
+    p.add_argument("--peer-dtype", choices=["auto", "float32"], default="auto",
+                   help="llm-compressor's model dtype: auto = the checkpoint's bf16 (its default); float32 = the "
+                        "dtype sq calibrates in on CPU (bf16 matmuls are slow on a CPU without native bf16)")
     p.add_argument("--llmc-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -109,21 +113,28 @@ def main() -> int:
               "--model", str(src), "--output", str(sq_out), "--algo", "awq", "--scheme", "W4A16", "--group-size",
               str(args.group_size), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
               "--resume", "never"] + (["--awq-gptq", "on"] if args.gptq else [])
-    results["sq_wall_s"] = round(run(sq_cmd, env={"OMP_NUM_THREADS": "1"})[0], 1)
-    results["sq_ppl"] = perplexity(sq_out)
-    print(f"sq {tag}: ppl {results['sq_ppl']} in {results['sq_wall_s']} s (2 ranks)", flush=True)
+    res_file = work / f"results-{tag}.json"
+    if res_file.is_file():  # keep the other side's numbers when one side is rerun
+        results.update({k: v for k, v in json.loads(res_file.read_text()).items() if k not in results})
+    if not args.skip_sq:
+        results["sq_wall_s"] = round(run(sq_cmd, env={"OMP_NUM_THREADS": "1"})[0], 1)
+        results["sq_ppl"] = perplexity(sq_out)
+        print(f"sq {tag}: ppl {results['sq_ppl']} in {results['sq_wall_s']} s (2 ranks)", flush=True)
     if not args.skip_llmc:
+        results["llmc_dtype"] = args.peer_dtype
         llmc_out = work / f"llmc-{tag}"
         subprocess.run(["rm", "-rf", str(llmc_out)], check=True)
         cmd = [str(LLMC_PY), __file__, "--llmc-worker", "--model", str(src), "--out", str(llmc_out),
-               "--group-size", str(args.group_size), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen)]
+               "--group-size", str(args.group_size), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
+               "--peer-dtype", args.peer_dtype]
         results["llmc_wall_s"] = round(run(cmd + (["--gptq"] if args.gptq else []))[0], 1)
         results["llmc_oneshot_s"] = json.loads((llmc_out / "llmc_run.json").read_text())["oneshot_s"]
         results["llmc_ppl"] = perplexity(llmc_out)
         print(f"llm-compressor {tag}: ppl {results['llmc_ppl']} in {results['llmc_oneshot_s']} s (oneshot)", flush=True)
-    results["source_ppl"] = perplexity(src)
+    if "source_ppl" not in results:
+        results["source_ppl"] = perplexity(src)
     print(f"source: ppl {results['source_ppl']}")
-    (work / f"results-{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
+    res_file.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 

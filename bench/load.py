@@ -56,7 +56,8 @@ LOADERS = ("sq_ep1", "sq_ep2", "hf", "hf_fsdp2", "hf_fsdp2_ep2")
 #   _pread     contiguous boxes read with os.preadv straight into the shard (no mmap)   install_pread_reader
 #   _prefetch  _pread + POSIX_FADV_WILLNEED on all of a call's byte ranges first (async, deep queue)
 #   _nodist    dcp.load(no_dist=True): no DCP plan/result collectives per block          install_nodist
-EXPERIMENTS = ("sq_ep1_pread", "sq_ep2_pread", "sq_ep1_prefetch", "sq_ep1_nodist", "sq_ep1_prefetch_nodist")
+#   _copy      load_sharded(map_files=False): every shard copied in (the default maps whole contiguous shards)
+EXPERIMENTS = ("sq_ep1_copy", "sq_ep2_copy", "sq_ep1_pread", "sq_ep2_pread", "sq_ep1_prefetch", "sq_ep1_nodist", "sq_ep1_prefetch_nodist")
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -432,7 +433,7 @@ def worker(args) -> None:
 
     def load():
         if args.loader.startswith("sq_ep"):
-            return load_sharded(ckpt, ep=int(args.loader[5:6]))
+            return load_sharded(ckpt, ep=int(args.loader[5:6]), map_files="copy" not in flags)
         if args.loader == "hf":
             return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
         sizes = {"hf_fsdp2": dict(fsdp_size=2), "hf_fsdp2_ep2": dict(fsdp_size=2, ep_size=2)}[args.loader]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,3 +296,70 @@ def test_byte_range_is_exactly_the_contiguous_boxes():
             assert (got is not None) == run, (shape, box)
             if run:
                 assert got == (100 + 2 * int(idx[0]), 2 * idx.numel()), (shape, box)
+
+
+# ----------------------------------------------------------------------------- mapped shards (load_sharded)
+
+
+def _file_hashes(folder) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.safetensors"))}
+
+
+def _mapped_vs_copied(rank, world, paths: dict, ep: int):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from sq.load.fill import local_box
+    from sq.load.loader import load_sharded
+
+    out = {}
+    for name, path in paths.items():
+        mapped = load_sharded(path, ep=ep, map_files=True)
+        copied = load_sharded(path, ep=ep, map_files=False)
+        got = dict(mapped.named_parameters())
+        differ = [n for n, t in copied.named_parameters()
+                  if not torch.equal(local_box(t)[0], local_box(got[n])[0])]
+        # FSDP2 all-gathers from the mapped memory itself: its sharded buffer is the view, no copy
+        fsdp_copies = [fp._param_fqn for m in mapped.modules() if isinstance(m, FSDPModule)
+                       for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+                       if fp._sharded_param_data.numel() and fp._sharded_param_data.data_ptr()
+                       != fp.sharded_param.to_local().data_ptr()]
+        ids = torch.arange(1, 17).view(2, 8) % mapped.config.vocab_size
+        with torch.no_grad():
+            same_logits = torch.equal(mapped(ids).logits, copied(ids).logits)
+        # a write to a mapped shard changes the model, never the file (private, copy-on-write)
+        before = _file_hashes(Path(path)) if rank == 0 else None
+        with torch.no_grad():
+            for p in mapped.parameters():
+                local = local_box(p)[0]
+                if local.numel():
+                    local.add_(1)
+        dist.barrier()
+        after = _file_hashes(Path(path)) if rank == 0 else None
+        tied = getattr(mapped.config, "tie_word_embeddings", False)
+        out[name] = dict(differ=differ, views=mapped.sq_plan.reader().file_views,
+                         copied_views=copied.sq_plan.reader().file_views, same_logits=same_logits,
+                         file_unchanged=before == after, fsdp_copies=fsdp_copies,
+                         tied_ok=(not tied) or mapped.lm_head.weight is mapped.model.embed_tokens.weight,
+                         maps=len(_checkpoint_maps(os.path.realpath(path))))
+        del mapped, copied
+    return out
+
+
+@pytest.mark.parametrize("world,ep", [(1, 1), (2, 1), (2, 2)])
+def test_mapped_shards_equal_copied_shards(checkpoints, world, ep):
+    """``load_sharded`` maps instead of copying every shard that is one contiguous box of the
+    checkpoint's dtype: the shards, the FSDP2 forward and the tied weights are those of the copying
+    path, FSDP2 gathers from the mapping itself, and writing to the parameters leaves the files as
+    they were.  FP8 weights (dequantized) are still read."""
+    names = ["llama", "qwen3_moe_fused", "deepseek_v3_fp8"] if ep == 1 else ["qwen3_moe_fused", "qwen3_moe"]
+    paths = {n: str(checkpoints[n]) for n in names}
+    for rank, res in enumerate(run_ranks(_mapped_vs_copied, world, paths, ep, timeout=600)):
+        for name, r in res.items():
+            assert r["differ"] == [], f"{name} rank {rank}: shards differ: {r['differ'][:5]}"
+            assert r["views"] > 0 and r["copied_views"] == 0, (name, rank, r)
+            assert r["maps"] > 0, (name, rank, r)  # the model holds views of the checkpoint's files
+            assert r["same_logits"] and r["file_unchanged"] and r["tied_ok"], (name, rank, r)
+            assert r["fsdp_copies"] == [], (name, rank, r["fsdp_copies"][:5])

@@ -10,10 +10,17 @@ is dequantized) goes through ``safe_open(...).get_slice``.  The reader's metadat
 headers scanned once at planning (not re-parsed per block), and the planner is a small custom
 ``LoadPlanner`` whose read items are those boxes.  Every rank plans its own boxes, so
 ``dcp.load`` runs without collectives (``no_dist``); the caller agrees on errors (:func:`agree`).
+
+``fill(..., map_files=True)`` (``load_sharded`` on CPU) reads nothing for a parameter whose whole
+local shard is one such box: its shard becomes a view of a private, copy-on-write mapping of the
+file (:meth:`SqStorageReader.file_view`), as transformers' loader hands back safetensors' mmapped
+tensors.  The pages are read when first touched (after the same ``WILLNEED`` hint), never copied;
+writing to the parameter copies only the written pages and never changes the file.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import warnings
@@ -123,6 +130,8 @@ class SqStorageReader(HuggingFaceStorageReader):
         self.direct = True  # False: every box through safetensors (the reference path, for tests)
         self.direct_reads = 0  # boxes read with preadv straight into their shard
         self.mapped_reads = 0  # boxes read through safetensors (mmap + get_slice)
+        self.file_views = 0  # whole local shards handed out as views of a private file mapping
+        self._maps: dict[str, tuple[mmap.mmap, int]] = {}  # file -> (private mapping, data start)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self._metadata
@@ -146,6 +155,32 @@ class SqStorageReader(HuggingFaceStorageReader):
             fd = stack.enter_context(open_checked(path.parent, path.name)).fileno()
             fds[file] = fd, data_start(fd, path)
         return fds[file]
+
+    def file_view(self, key: str, offsets, lengths, dtype: torch.dtype) -> torch.Tensor | None:
+        """The box of ``key`` as a tensor over a private (copy-on-write) mapping of its file, or None
+        where it must be read instead: not one contiguous range, not the checkpoint's bytes (a dtype
+        conversion, a dequantized FP8 weight), misaligned for its dtype, or past the file's end
+        (the read then reports the truncation).  Nothing is read here: pages come in when touched."""
+        info = self.source.tensors[key]
+        rng = byte_range(info, offsets, lengths)
+        if rng is None or not rng[1] or not self._raw(key) or dtype != info.dtype:
+            return None
+        if info.file not in self._maps:
+            path = self.source.path(info.file)  # the link rule, as for every read
+            with open_checked(path.parent, path.name) as f:
+                start = data_start(f.fileno(), path)
+                self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), start
+        m, start = self._maps[info.file]
+        off, n = start + rng[0], rng[1]
+        if off % dtype.itemsize or off + n > len(m):
+            return None
+        self.file_views += 1
+        self.bytes_read += n
+        return torch.frombuffer(m, dtype=dtype, count=n // dtype.itemsize, offset=off).view(tuple(lengths))
+
+    def drop_maps(self) -> None:
+        """Forget the file mappings (tensors viewing them keep theirs alive until they are freed)."""
+        self._maps.clear()
 
     def will_need(self, boxes) -> None:
         """``POSIX_FADV_WILLNEED`` on the byte ranges of ``boxes`` (``(key, offsets, lengths)``) that are

@@ -19,9 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torch.distributed.tensor import DTensor
+
 from sq.dist import ParallelDims
 from sq.errors import LoadRefused
-from sq.load.fill import SqStorageReader, agree, dcp_read, module_of, requests_for, set_device
+from sq.load.fill import (SqStorageReader, _fsdp_reset, agree, dcp_read, module_of, requests_for,
+                          set_device)
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
@@ -231,30 +234,39 @@ def _prefetch(plan: LoadPlan, tensors: dict[str, torch.Tensor], names) -> None:
 
 @torch.no_grad()
 def fill(model: nn.Module, plan: LoadPlan, names, *, device: torch.device | str = "cpu",
-         prefetch: bool = True) -> None:
+         prefetch: bool = True, map_files: bool = False) -> None:
     """Materialize and fill this rank's shards of ``names`` (collective: same names on every rank).
 
     Each rank reads its own boxes (no collective); one agreement afterwards makes every rank
     raise the same ``LoadRefused`` if any rank's shards were not covered or not read.  With
     ``prefetch``, the byte ranges of the next block (:func:`_next_block`) are handed to the
     kernel's read-ahead once this call's reads are done, so the disk works while the caller
-    computes on this block.
+    computes on this block.  With ``map_files`` (CPU only), a parameter whose whole local shard is
+    one contiguous box of the checkpoint's dtype becomes a view of a private file mapping instead
+    of a copy (:func:`_map_params`; ``load_sharded``'s default).
     """
     names = _expand_to_modules(model, plan, names)
     set_device(model, names, device)
+    mapped = _map_params(model, plan, names) if map_files and torch.device(device).type == "cpu" else set()
     _retie(model, plan, names)
     for n in names:
         plan.state[n] = "empty"
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     requests, problems = [], []
+    hints = []  # the mapped shards' ranges: the kernel reads them ahead, they are touched later
     for n in names:
         t = params[n] if n in params else buffers[n]
+        if n in mapped:
+            hints += [(r.ckpt_key, r.storage_offsets, r.lengths) for r in requests_for(t, plan.keymap.pieces[n])[0]]
+            continue
         reqs, covered = requests_for(t, plan.keymap.pieces[n])
         requests += reqs
         local = t.to_local() if hasattr(t, "to_local") else t
         if covered != local.numel():
             problems.append(f"{n}: {covered} of {local.numel()} local elements covered")
+    if hints:
+        plan.reader().will_need(hints)
     if not problems:  # a rank short of coverage reads nothing: it raises below, with the others
         try:
             dcp_read(plan.source, requests, reader=plan.reader())
@@ -273,6 +285,54 @@ def fill(model: nn.Module, plan: LoadPlan, names, *, device: torch.device | str 
             mod._buffers[leaf] = value.to(device)
 
 
+def _map_params(model: nn.Module, plan: LoadPlan, names) -> set[str]:
+    """Swap in file-mapped local shards for the named parameters whose whole local shard is one
+    contiguous box in the checkpoint's dtype (:meth:`SqStorageReader.file_view`); returns their names.
+
+    The new parameter keeps the old one's DTensor mesh, placements and global shape; FSDP2's
+    records are re-pointed at it (``reset_sharded_param``, the path of ``load_state_dict(assign=True)``).
+    A shard FSDP2 pads (uneven split) is left to the copy path: its padded buffer would be a copy.
+    """
+    reader, mapped, leaves = plan.reader(), set(), set()
+    for n in names:
+        mod, leaf = module_of(model, n)
+        p = mod._parameters.get(leaf)
+        if p is None or n in plan.keymap.aliases or n not in plan.keymap.pieces:
+            continue
+        reqs, covered = requests_for(p, plan.keymap.pieces[n])
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if len(reqs) != 1 or covered != local.numel() or tuple(reqs[0].dest.shape) != tuple(local.shape):
+            continue
+        if isinstance(p, DTensor) and _padded(model, p):
+            continue
+        r = reqs[0]
+        view = reader.file_view(r.ckpt_key, r.storage_offsets, r.lengths, local.dtype)
+        if view is None:
+            continue
+        if isinstance(p, DTensor):
+            view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        mod._parameters[leaf] = nn.Parameter(view, requires_grad=p.requires_grad)
+        mapped.add(n)
+        leaves.add(mod)
+    if leaves:
+        _fsdp_reset(model, leaves)
+    return mapped
+
+
+def _padded(model: nn.Module, p) -> bool:
+    """Whether FSDP2 keeps ``p``'s local shard in a padded buffer (dim 0 not divisible by the mesh)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            for group in mod._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    if fp.sharded_param is p:
+                        return tuple(fp.padded_sharded_param_size) != tuple(p.to_local().shape)
+    return False
+
+
 @torch.no_grad()
 def free(model: nn.Module, plan: LoadPlan, names) -> None:
     """Release the named tensors' memory back to meta."""
@@ -285,8 +345,14 @@ def free(model: nn.Module, plan: LoadPlan, names) -> None:
 
 def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: torch.dtype | None = None,
                  trust_remote_code: bool = False, device: torch.device | str | None = None,
-                 compute_dtype: torch.dtype | None = None) -> nn.Module:
+                 compute_dtype: torch.dtype | None = None, map_files: bool = True) -> nn.Module:
     """Build, plan, shard and fill the whole model inside an initialized process group.
+
+    ``map_files`` (CPU): a parameter whose local shard is one contiguous range of a checkpoint file in
+    the checkpoint's dtype is a view of a private copy-on-write mapping of that file, read when first
+    touched (writes copy the touched pages, never reach the file); False copies every shard in now.
+    As with transformers' mmapped tensors, the files must not be truncated or rewritten in place
+    while the model uses them (replacing them with new files is safe).
 
     ``compute_dtype``: the dtype its forwards compute in (FSDP2 mixed precision: the shards keep
     ``dtype``); ``torch.float32`` makes ``sq.quantize``'s calibration about twice as fast on a CPU
@@ -304,8 +370,9 @@ def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: t
     if mesh is None:
         mesh = ParallelDims(dist.get_world_size(), ep).build_mesh(torch.device(device).type)
     apply_parallel(model, mesh, compute_dtype=compute_dtype)
-    fill(model, plan, plan.root_names, device=device)
+    fill(model, plan, plan.root_names, device=device, map_files=map_files)
     for names in plan.block_names:
-        fill(model, plan, names, device=device)
+        fill(model, plan, names, device=device, map_files=map_files)
+    plan.reader().drop_maps()
     model.sq_plan = plan
     return model
