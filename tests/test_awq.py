@@ -99,6 +99,10 @@ def runs(checkpoints, tmp_path_factory):
            "llama-rtn": dict(model=ll, algo="rtn", group_size=GS),
            "moe-w2": dict(model=str(checkpoints["qwen3_moe"]), algo="awq", **JOB),
            "llama-gptq": dict(model=ll, algo="awq", awq_gptq=True, **JOB),
+           # the chain the next block is calibrated on: fp (the default after RTN) or quantized
+           "llama-fp-g2": dict(model=ll, algo="awq", n_grid=2, **JOB),
+           "llama-q": dict(model=ll, algo="awq", awq_chain="quantized", **JOB),
+           "llama-q-g2": dict(model=ll, algo="awq", awq_chain="quantized", n_grid=2, **JOB),
            "llama-nvfp4": dict(model=ll, algo="awq", scheme="NVFP4A16", **JOB),
            "moe-nvfp4": dict(model=str(checkpoints["qwen3_moe"]), algo="awq", scheme="NVFP4A16", **JOB),
            # refusals, before anything is written
@@ -134,6 +138,26 @@ def test_awq_beats_rtn_on_llama(checkpoints, runs):
     rtn = _rel(_logits(load_any(root / "llama-rtn", dtype=torch.float32), ids), src)
     print(f"logits rel err vs source: awq {awq:.5f} rtn {rtn:.5f}")
     assert awq < rtn, (awq, rtn)
+
+
+def test_the_full_precision_chain_makes_each_blocks_search_independent_of_earlier_choices(runs):
+    """``--awq-chain fp`` (the default after round-to-nearest, as AutoAWQ and llm-compressor): every
+    block is calibrated on the source model's outputs of the block before, so what earlier blocks
+    chose (20 grid points or 2) does not change a later block's inputs -- its round-to-nearest loss
+    is the same to the bit.  On the quantized chain it does (block 0 alike in every run)."""
+    root, errors, _ = runs
+    for k in ("llama-w2", "llama-fp-g2", "llama-q", "llama-q-g2"):
+        assert errors[k] is None, (k, errors[k])
+
+    def rtn_losses(k):
+        awq = _report(root / k)["awq"]
+        return [awq[b]["input_layernorm"]["loss_rtn"] for b in sorted(awq, key=lambda b: int(b.rsplit(".", 1)[1]))]
+
+    fp20, fp2, q20, q2 = (rtn_losses(k) for k in ("llama-w2", "llama-fp-g2", "llama-q", "llama-q-g2"))
+    assert len(fp20) > 1 and fp20 == fp2, (fp20, fp2)
+    assert q20[0] == q2[0] == fp20[0], (q20, q2, fp20)
+    assert q20[1:] != q2[1:] and q20[1:] != fp20[1:], (q20, q2, fp20)
+    assert _report(root / "llama-q")["args"]["algo_settings"]["awq_chain"] == "quantized"
 
 
 def test_one_and_two_ranks_choose_the_same_scales(runs):

@@ -40,6 +40,7 @@ SUPPORTED_BLOCKS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLay
 @dataclass(frozen=True)
 class AWQConfig(AlgoConfig):
     name = "awq"
+    version = 2  # 2: --awq-chain (auto = the full-precision chain after round-to-nearest)
 
     n_grid: int = option(20, "grid points of the scaling exponent searched per mapping")
     duo_scaling: bool = option(True, "scales from activations and weights (x_mean^a / w_mean^(1-a), "
@@ -47,6 +48,15 @@ class AWQConfig(AlgoConfig):
                                choices=_ON_OFF)
     awq_gptq: bool = option(False, "after the scales are folded, quantize with GPTQ (its default "
                                    "settings) instead of round-to-nearest", choices=_ON_OFF)
+    awq_chain: str = option("auto", "the next block's calibration inputs: the full-precision block's "
+                                    "outputs (fp: AutoAWQ and llm-compressor with round-to-nearest) or the "
+                                    "quantized block's (quantized: as GPTQ); auto = quantized with "
+                                    "--awq-gptq on, else fp", choices={c: c for c in ("auto", "fp", "quantized")})
+
+    @property
+    def fp_chain(self) -> bool:
+        """Whether the next block is calibrated on this block's full-precision outputs."""
+        return self.awq_chain == "fp" or (self.awq_chain == "auto" and not self.awq_gptq)
 
     def problems(self) -> list[str]:
         if isinstance(self.n_grid, bool) or not isinstance(self.n_grid, int) or self.n_grid < 2:

@@ -558,9 +558,14 @@ class _Pipeline:
     def _propagate(self, work: BlockWork, observed_out=None) -> None:
         """The next block's inputs: the quantized chain of a data-driven algorithm (and the fp chain
         where it keeps it); RTN's observed forward's outputs (the full-precision chain, as
-        llm-compressor calibrates activations for round-to-nearest)."""
-        outs = observed_out if not self.algo.calibrated else block_forward(work.block, self.inputs, self.steps,
-                                                                            self.dummy)
+        llm-compressor calibrates activations for round-to-nearest); the algorithm's own
+        (``work.next_inputs``: AWQ's full-precision chain) where it computed them."""
+        if work.next_inputs is not None:
+            outs = work.next_inputs
+        elif not self.algo.calibrated:
+            outs = observed_out
+        else:
+            outs = block_forward(work.block, self.inputs, self.steps, self.dummy)
         self.inputs = [(y, kw) for y, (_, kw) in zip(outs, self.inputs)]
         if self.algo.fp_chain:
             self.fp_inputs = [(y, kw) for y, (_, kw) in zip(work.fp_out, self.fp_inputs)]

@@ -18,8 +18,11 @@ The maths and the mappings: ``sq.quant.awq``.
    written to the gathered copies (FSDP2 would not copy it back).
 
 The pipeline then solves the folded weights and writes every block tensor, the folded norms
-included.  Folding is block-local and deterministic from the block inputs (the chain cache holds
-the quantized chain), so a resumed run is bit-identical.
+included.  The next block is calibrated on this block's full-precision outputs (the capture
+forward's, before any fold: AutoAWQ's and llm-compressor's chain with round-to-nearest) or, with
+``--awq-gptq on`` or ``--awq-chain quantized``, on its quantized outputs (the pipeline's propagate
+forward).  Folding is block-local and deterministic from the block inputs (the chain cache holds
+whichever chain is propagated), so a resumed run is bit-identical.
 """
 
 from __future__ import annotations
@@ -257,9 +260,11 @@ class AWQAlgorithm(Algorithm):
         schemes.update({e: s for e, _, s in work.experts})
         cap = _Capture(work.block, maps, work.device)
         try:
-            block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[cap])
+            outs = block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[cap])
         finally:
             cap.remove()
+        if self.config.fp_chain:  # the unscaled full-precision block's outputs, as AutoAWQ propagates
+            work.next_inputs = outs
         x_mean = cap.reduce()
         chosen, report = [], {}
         with unsharded(work.block):

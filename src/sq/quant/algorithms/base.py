@@ -93,6 +93,9 @@ class BlockWork:
     # the checkpoint's dtype of the block's weights; the forwards may compute in another
     # (--calib-dtype: FSDP2 then gathers the weights cast to it)
     weight_dtype: torch.dtype | None = None
+    # the next block's inputs where the algorithm computed them (AWQ on the full-precision chain:
+    # its capture forward's outputs); None: the pipeline's propagate forward on the quantized block
+    next_inputs: list | None = None
 
 
 def rtn_codes(w: torch.Tensor, scheme, stats=None, row_offset: int = 0):
