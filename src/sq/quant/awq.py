@@ -27,7 +27,9 @@ from sq.anatomy import is_experts_module
 from sq.quant.settings import AlgoConfig, option
 
 __all__ = ["AWQConfig", "Mapping", "block_mappings", "grid", "candidate_scales", "weight_means",
-           "SUPPORTED_BLOCKS"]
+           "clip_search", "SUPPORTED_BLOCKS"]
+
+CLIP_GRID, CLIP_MAX_SHRINK = 20, 0.5  # AutoAWQ's auto_clip: max * (1 - i / 20), i < 10
 
 _ON_OFF = {"on": True, "off": False}
 
@@ -40,7 +42,7 @@ SUPPORTED_BLOCKS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLay
 @dataclass(frozen=True)
 class AWQConfig(AlgoConfig):
     name = "awq"
-    version = 2  # 2: --awq-chain (auto = the full-precision chain after round-to-nearest)
+    version = 2  # 2: --awq-chain (auto = the full-precision chain after RTN), --awq-clip (auto = on after RTN)
 
     n_grid: int = option(20, "grid points of the scaling exponent searched per mapping")
     duo_scaling: bool = option(True, "scales from activations and weights (x_mean^a / w_mean^(1-a), "
@@ -52,6 +54,16 @@ class AWQConfig(AlgoConfig):
                                     "outputs (fp: AutoAWQ and llm-compressor with round-to-nearest) or the "
                                     "quantized block's (quantized: as GPTQ); auto = quantized with "
                                     "--awq-gptq on, else fp", choices={c: c for c in ("auto", "fp", "quantized")})
+
+    awq_clip: str = option("auto", "after the fold, search each output row's clipping range per quantization "
+                                   "group (AutoAWQ's clip: the max shrunk by up to half, 20 steps) on the group's "
+                                   "output error; integer group / channel schemes, dense Linears other than "
+                                   "attention's query / key producers; auto = on unless --awq-gptq on",
+                           choices={c: c for c in ("auto", "on", "off")})
+
+    @property
+    def clip(self) -> bool:
+        return self.awq_clip == "on" or (self.awq_clip == "auto" and not self.awq_gptq)
 
     @property
     def fp_chain(self) -> bool:
@@ -187,3 +199,37 @@ def weight_means(weights: list[tuple[torch.Tensor, object]]) -> torch.Tensor:
         total = part if total is None else total + part
         count += rows
     return (total / count).float()
+
+
+def clip_search(w: torch.Tensor, gram: torch.Tensor, qdq, *, n_grid: int = CLIP_GRID,
+                max_shrink: float = CLIP_MAX_SHRINK, chunk_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoAWQ's clipping search on rows ``w [rows, in]``: per row and quantization group ``g``
+    (``gram [n_groups, G, G]`` = sum over tokens of ``x_g x_g^T``, the group's inputs), the range
+    ``[-m, m]`` with ``m = max|w_g| * (1 - i / n_grid)``, ``i < max_shrink * n_grid``, whose
+    quantized weights ``qdq(clamp(w, -m, m))`` give the least output error ``d^T gram_g d``
+    (``d`` the weight error; ``i = 0``, no clipping, wins ties).  Returns the clipped rows (``w``'s
+    dtype) and each (row, group)'s chosen shrink ``i / n_grid``."""
+    rows, cols = w.shape
+    ng, gs = gram.shape[0], gram.shape[1]
+    if ng * gs != cols:
+        raise ValueError(f"clip_search: {ng} groups of {gs} do not tile {cols} columns")
+    h = gram.float()
+    out, shrink = torch.empty_like(w), torch.zeros(rows, ng)
+    steps = max(1, int(max_shrink * n_grid))
+    for r0 in range(0, rows, chunk_rows):
+        wc = w[r0:r0 + chunk_rows].float().view(-1, ng, gs)
+        top = wc.abs().amax(-1, keepdim=True)
+        best_err = torch.full(wc.shape[:2], float("inf"))
+        best_m = top.clone()
+        for i in range(steps):
+            m = top * (1 - i / n_grid)
+            cur = torch.maximum(torch.minimum(wc, m), -m)
+            d = (qdq(cur.view(-1, cols).to(w.dtype)).float().view_as(wc) - wc)
+            err = (torch.einsum("rgi,gij->rgj", d, h) * d).sum(-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_m = torch.where(better[..., None], m, best_m)
+            shrink[r0:r0 + chunk_rows][better] = i / n_grid
+        clipped = torch.maximum(torch.minimum(wc, best_m), -best_m)
+        out[r0:r0 + chunk_rows] = clipped.view(-1, cols).to(w.dtype)
+    return out, shrink

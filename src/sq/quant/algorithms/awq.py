@@ -15,7 +15,10 @@ The maths and the mappings: ``sq.quant.awq``.
 3. back on the shards: each rank folds the chosen scales into its *local* rows only -- a norm's
    ``weight[rows] /= s[rows]``, a smoothing Linear's output rows ``/= s[rows]``, a balance
    Linear's (or fused experts', or router's) local rows ``*= s`` along the input dim.  Nothing is
-   written to the gathered copies (FSDP2 would not copy it back).
+   written to the gathered copies (FSDP2 would not copy it back);
+4. the clip search (``--awq-clip``, on after RTN): each covered Linear's local rows clamped per
+   quantization group to the range with the least output error, from the group Gram matrices the
+   capture forward summed (all-reduced; ``sq.quant.awq.clip_search``).
 
 The pipeline then solves the folded weights and writes every block tensor, the folded norms
 included.  The next block is calibrated on this block's full-precision outputs (the capture
@@ -43,13 +46,14 @@ from sq.quant.activations import observes_activations
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
 from sq.quant.algorithms.gptq import GPTQAlgorithm
 from sq.quant.experts import SlotStats
-from sq.quant.awq import AWQConfig, Mapping, block_mappings, candidate_scales, grid, weight_means
+from sq.quant.awq import AWQConfig, Mapping, block_mappings, candidate_scales, clip_search, grid, weight_means
 from sq.quant.forward import block_forward
 from sq.quant.gptq import GPTQConfig
 from sq.quant.recipe import scheme_tag
 
 # scales of a row from that row alone, or under one global scale (NVFP4: recomputed after the fold)
 SEARCHABLE = ("group", "channel", "tensor_group")
+MAX_CLIP_GROUP = 256
 
 
 def _global_only(scheme) -> bool:
@@ -105,11 +109,18 @@ def _restat(work: BlockWork) -> None:
 
 
 class _Capture:
-    """Pre-hooks on the mappings' parents: ``sum |x|`` per channel, token counts, the inputs."""
+    """Pre-hooks on the mappings' parents: ``sum |x|`` per channel, token counts, the inputs; and on
+    the Linears the clip search covers (``clip``: relative name -> group size): each group's input
+    Gram matrix ``sum x_g x_g^T``."""
 
-    def __init__(self, block: nn.Module, mappings: list[Mapping], device):
+    def __init__(self, block: nn.Module, mappings: list[Mapping], device, clip: dict[str, int] | None = None):
         self.on = True
         self.xsum, self.count, self.cache, self.handles = {}, {}, defaultdict(list), []
+        self.grams: dict[str, torch.Tensor] = {}
+        for name, gs in (clip or {}).items():
+            width = block.get_submodule(name).in_features
+            self.grams[name] = torch.zeros(width // gs, gs, gs, dtype=torch.float64, device=device)
+            self.handles.append(block.get_submodule(name).register_forward_pre_hook(self._gram_hook(name)))
         for m in mappings:
             if not m.per_expert:  # the experts' intermediate activations are computed in the search
                 width = _balance_param(block, m.balance[0]).shape[-1]
@@ -130,6 +141,28 @@ class _Capture:
             self.xsum[name] += a.sum(0, dtype=torch.float64)
             self.count[name] += a.shape[0]
         return hook
+
+    def _gram_hook(self, name):
+        def hook(module, args):
+            if not self.on:
+                return
+            g = self.grams[name]
+            x = args[0].detach().reshape(-1, g.shape[0], g.shape[1]).float().transpose(0, 1)  # [groups, tokens, G]
+            g += torch.bmm(x.transpose(1, 2), x).double()
+        return hook
+
+    def reduce_grams(self) -> dict[str, torch.Tensor]:
+        """The Gram matrices summed over every rank's tokens (one collective)."""
+        if self.grams:
+            names = list(self.grams)
+            flat = torch.cat([self.grams[n].reshape(-1) for n in names])
+            dist.all_reduce(flat)
+            i = 0
+            for n in names:
+                k = self.grams[n].numel()
+                self.grams[n] = flat[i:i + k].view_as(self.grams[n])
+                i += k
+        return self.grams
 
     def reduce(self) -> dict[str, torch.Tensor]:
         """x_mean per parent over every rank's tokens (one collective)."""
@@ -258,7 +291,8 @@ class AWQAlgorithm(Algorithm):
             raise SqError(refused)
         schemes = {l.name: l.scheme for l in work.linears}
         schemes.update({e: s for e, _, s in work.experts})
-        cap = _Capture(work.block, maps, work.device)
+        clip = self._clip_targets(work) if self.config.clip else {}
+        cap = _Capture(work.block, maps, work.device, clip)
         try:
             outs = block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[cap])
         finally:
@@ -279,10 +313,59 @@ class AWQAlgorithm(Algorithm):
         cap.cache.clear()
         for m, s in chosen:
             fold(work.block, m, s)
+        if clip:
+            report["clip"] = self._clip(work, clip, cap.reduce_grams(), chosen)
         _restat(work)
         work.state["report"] = report
         if self.gptq is not None:
             self.gptq.observe(work)
+
+    @staticmethod
+    def _clip_targets(work: BlockWork) -> dict[str, int]:
+        """Dense Linears the clip search covers (relative name -> group size): integer per-group
+        schemes (groups up to ``MAX_CLIP_GROUP``: a group's Gram matrix is ``G x G``; per-channel
+        scales would need ``in x in``) whose scales come from their rows alone; not attention's query / key
+        producers (their error passes through the softmax, which a group's output error does not
+        see; AutoAWQ skips them too), so of the attention only v_proj and o_proj."""
+        out = {}
+        for lin in work.linears:
+            sc, rel = lin.scheme, lin.name[len(work.prefix) + 1:]
+            if sc.type != "int" or sc.strategy != "group" or formats.required_reductions(sc):
+                continue
+            if ".self_attn." in f".{rel}" and not rel.endswith(("v_proj", "o_proj")):
+                continue
+            if sc.group_size <= MAX_CLIP_GROUP and lin.module.in_features % sc.group_size == 0:
+                out[rel] = sc.group_size
+        return out
+
+    @staticmethod
+    def _clip(work: BlockWork, targets: dict[str, int], grams: dict[str, torch.Tensor], chosen) -> dict:
+        """Clip this rank's local rows of each target in place (after the fold: the Gram matrices of
+        the inputs it scaled are divided by ``s_i s_j``); returns the report's summary."""
+        col_scales = {}
+        for m, s in chosen:
+            if not m.per_expert:
+                for b in m.balance:
+                    if ":" not in b:
+                        col_scales[b] = s
+        schemes = {lin.name[len(work.prefix) + 1:]: lin.scheme for lin in work.linears}
+        clipped = total = 0
+        for rel, gs in targets.items():
+            g = grams[rel]
+            if rel in col_scales:
+                s = col_scales[rel].double().view(g.shape[0], gs)
+                g = g / (s[:, :, None] * s[:, None, :])
+            local, _ = local_box(work.block.get_submodule(rel).weight)
+            if not local.numel():
+                continue
+            sc = schemes[rel]
+            new, shrink = clip_search(local.detach(), g, lambda w: rtn_rows(w, sc).deq)
+            local.copy_(new)
+            clipped += int((shrink > 0).sum())
+            total += shrink.numel()
+        counts = torch.tensor([clipped, total], dtype=torch.float64, device=work.device)
+        dist.all_reduce(counts)  # the fraction over every rank's rows
+        return {"groups_clipped": float(counts[0] / counts[1]) if counts[1] else 0.0}
 
     def _search(self, work: BlockWork, m: Mapping, cache, x_mean, schemes):
         """The best scales of one mapping (the same on every rank), or None if it has nothing to search."""
