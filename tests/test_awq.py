@@ -99,6 +99,10 @@ def test_fold_preserves_fp_outputs(checkpoints, arch):
 def runs(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("awq")
     ll = str(checkpoints["llama"])
+    recipe = root / "recipe.json"  # the MLPs at 8 bits, layer 1's attention left unquantized
+    recipe.write_text(json.dumps({"default": {"preset": "W4A16", "group_size": GS}, "rules": [
+        {"match": r"mlp\.", "scheme": {"preset": "W8A16", "group_size": GS}},
+        {"match": r"layers\.1\.self_attn", "scheme": None}]}))
     two = {"llama-w2": dict(model=ll, algo="awq", **JOB),
            "llama-rtn": dict(model=ll, algo="rtn", group_size=GS),
            "moe-w2": dict(model=str(checkpoints["qwen3_moe"]), algo="awq", **JOB),
@@ -108,6 +112,7 @@ def runs(checkpoints, tmp_path_factory):
            "llama-q": dict(model=ll, algo="awq", awq_chain="quantized", **JOB),
            "llama-q-g2": dict(model=ll, algo="awq", awq_chain="quantized", n_grid=2, **JOB),
            "llama-noclip": dict(model=ll, algo="awq", awq_clip="off", **JOB),
+           "llama-recipe": dict(model=ll, algo="awq", recipe=str(recipe), **JOB),
            "llama-nvfp4": dict(model=ll, algo="awq", scheme="NVFP4A16", **JOB),
            "moe-nvfp4": dict(model=str(checkpoints["qwen3_moe"]), algo="awq", scheme="NVFP4A16", **JOB),
            # refusals, before anything is written
@@ -330,3 +335,23 @@ def test_clip_is_on_after_rtn_and_off_when_asked(runs):
     diff = checkpoint_bit_diff(root / "llama-w2", root / "llama-noclip")
     assert any(k.endswith("mlp.down_proj.weight_packed") for k in diff), diff  # clipping changed codes
     assert not any("q_proj" in k or "k_proj" in k for k in diff), diff  # query / key never clipped
+
+
+def test_recipe(checkpoints, runs):
+    """A recipe: a mapping whose Linears are all unquantized is not searched (layer 1's q/k/v), the
+    others search and clip with their own scheme (the MLPs at 8 bits); transformers loads the output."""
+    root, errors, _ = runs
+    assert errors["llama-recipe"] is None, errors["llama-recipe"]
+    report = _report(root / "llama-recipe")
+    blocks = sorted(report["awq"], key=lambda b: int(b.rsplit(".", 1)[1]))
+    assert "input_layernorm" in report["awq"][blocks[0]] and "input_layernorm" not in report["awq"][blocks[1]]
+    assert all("post_attention_layernorm" in report["awq"][b] for b in blocks)
+    qc = json.loads((root / "llama-recipe" / "config.json").read_text())["quantization_config"]
+    bits = sorted(g["weights"]["num_bits"] for g in qc["config_groups"].values())
+    assert bits == [4, 8], qc["config_groups"]
+    assert any("layers.1.self_attn" in i for i in qc["ignore"]), qc["ignore"]
+    model, info = load_any(root / "llama-recipe", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = _ids()
+    src = _logits(load_any(checkpoints["llama"], dtype=torch.float32), ids)
+    assert _rel(_logits(model, ids), src) < 0.2
