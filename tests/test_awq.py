@@ -114,6 +114,7 @@ def runs(checkpoints, tmp_path_factory):
            "llama-noclip": dict(model=ll, algo="awq", awq_clip="off", **JOB),
            "llama-recipe": dict(model=ll, algo="awq", recipe=str(recipe), **JOB),
            "llama-nvfp4": dict(model=ll, algo="awq", scheme="NVFP4A16", **JOB),
+           "llama-mxfp4": dict(model=ll, algo="awq", scheme="MXFP4A16", **dict(JOB, group_size=32)),
            "moe-nvfp4": dict(model=str(checkpoints["qwen3_moe"]), algo="awq", scheme="NVFP4A16", **JOB),
            # refusals, before anything is written
            "no-fp8": dict(model=ll, algo="awq", scheme="FP8", **JOB),
@@ -220,9 +221,10 @@ def test_moe_two_ranks(checkpoints, runs, out, arch):
     assert err < 0.2
 
 
-@pytest.mark.parametrize("out,arch", [("llama-gptq", "llama"), ("llama-nvfp4", "llama"), ("moe-nvfp4", "qwen3_moe")])
+@pytest.mark.parametrize("out,arch", [("llama-gptq", "llama"), ("llama-nvfp4", "llama"), ("moe-nvfp4", "qwen3_moe"),
+                                      ("llama-mxfp4", "llama")])
 def test_gptq_after_awq_and_nvfp4(checkpoints, runs, out, arch):
-    """GPTQ on the folded weights; NVFP4A16 with its global scales recomputed after the fold."""
+    """GPTQ on the folded weights; NVFP4A16 with its global scales recomputed after the fold; MXFP4A16."""
     root, errors, _ = runs
     assert errors[out] is None, errors[out]
     report = _report(root / out)
@@ -235,8 +237,9 @@ def test_gptq_after_awq_and_nvfp4(checkpoints, runs, out, arch):
         for p in {k.rsplit(".mlp.", 1)[0] for k in t if ".mlp.gate_proj.weight_global_scale" in k}:
             assert len({t[f"{p}.self_attn.{n}_proj.weight_global_scale"].item() for n in "qkv"}) == 1
             assert len({t[f"{p}.mlp.{n}_proj.weight_global_scale"].item() for n in ("gate", "up")}) == 1
-    # compressed-tensors decompresses NVFP4 in bfloat16 only
-    model, info = load_any(root / out, dtype=torch.bfloat16 if nvfp4 else torch.float32, output_loading_info=True)
+    # compressed-tensors decompresses NVFP4 and MXFP4 in bfloat16 only
+    model, info = load_any(root / out, dtype=torch.bfloat16 if nvfp4 or out.endswith("mxfp4") else torch.float32,
+                           output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     if out == "moe-nvfp4":  # transformers' NVFP4 MoE load is off for RTN as much (rel err 1.39 measured)
         return
