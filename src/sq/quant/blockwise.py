@@ -9,6 +9,7 @@ The per-block work is ``sq.quant.pipeline``; the algorithms are ``sq.quant.algor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -39,6 +40,29 @@ __all__ = ["PTQConfig", "quantize_model", "auto_ep"]
 logger = logging.getLogger(__name__)
 
 # job settings read only by algorithms that run calibration data (not in an RTN run's signature)
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX, ``amx_bf16`` in
+    /proc/cpuinfo's flags), so that bf16 forwards are faster than float32 ones, not slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _every_rank_has_bf16_matrix_units() -> bool:
+    """:func:`cpu_has_bf16_matrix_units` on every rank (one all-reduce, the first time it is asked,
+    which every rank does at the same point: the job's setup), so that all ranks calibrate alike."""
+    local = cpu_has_bf16_matrix_units()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([int(local)])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+    return local
+
+
 CALIBRATION_FIELDS = ("nsamples", "seqlen", "seed", "dataset", "calibrate_all_experts", "calib_dtype")
 # --calib-dtype words: the dtype calibration forwards compute in (``PTQConfig.compute_dtype``)
 CALIB_DTYPES = ("auto", "float32", "model")
@@ -132,13 +156,16 @@ class PTQConfig:
     def compute_dtype(self, device_type: str) -> torch.dtype | None:
         """The dtype the calibration forwards compute in (None: the model's own).
 
-        ``auto``: float32 on CPU, where bfloat16 matmuls without native support run at about half
-        float32's speed (a SmolLM2 block forward 5.2 s in bf16, 2.7 s in fp32 on the 2-core AMD EPYC
-        of docs/benchmarks.md), and the model's dtype on GPU.  The weights stay in the checkpoint's
-        dtype (FSDP2 casts the gathered copies: ``sq.parallel.fsdp.apply_parallel``); every quantized
-        value is computed from them exactly as before, only the activations are more precise.
+        ``auto``: float32 on a CPU without bfloat16 matrix units, where bfloat16 matmuls run at about
+        half float32's speed (a SmolLM2 block forward 5.2 s in bf16, 2.7 s in fp32 on the 2-core AMD
+        EPYC of docs/benchmarks.md); the model's dtype on GPU and on a CPU with AMX (``amx_bf16``:
+        a 4096 x 576 x 1536 linear on one thread of a Sapphire Rapids Xeon took 5 ms in bf16, 51 ms
+        in float32).  The weights stay in the checkpoint's dtype (FSDP2 casts the gathered copies:
+        ``sq.parallel.fsdp.apply_parallel``); every quantized value is computed from them exactly as
+        before, only the activations are more precise.
         """
-        if self.calib_dtype == "float32" or (self.calib_dtype == "auto" and device_type == "cpu"):
+        if self.calib_dtype == "float32" or (self.calib_dtype == "auto" and device_type == "cpu"
+                                              and not _every_rank_has_bf16_matrix_units()):
             return torch.float32
         return None
 
