@@ -367,7 +367,7 @@ def module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(mod_name) if mod_name else model), leaf
 
 
-def _fsdp_reset(model: nn.Module, leaves: set[nn.Module]) -> None:
+def fsdp_reset(model: nn.Module, leaves: set[nn.Module]) -> None:
     """After swapping parameters under FSDP2, re-point its sharded-param records at them."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -391,4 +391,4 @@ def set_device(model: nn.Module, names: list[str], device: torch.device | str) -
     leaves = {module_of(model, n)[0] for n in names}
     for leaf in leaves:
         leaf.to_empty(device=device, recurse=False)
-    _fsdp_reset(model, leaves)
+    fsdp_reset(model, leaves)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from sq.dist import ParallelDims
 from sq.errors import LoadRefused
-from sq.load.fill import (SqStorageReader, _fsdp_reset, agree, dcp_read, module_of, requests_for,
+from sq.load.fill import (SqStorageReader, agree, dcp_read, fsdp_reset, module_of, requests_for,
                           set_device)
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
@@ -316,7 +316,7 @@ def _map_params(model: nn.Module, plan: LoadPlan, names) -> set[str]:
         mapped.add(n)
         leaves.add(mod)
     if leaves:
-        _fsdp_reset(model, leaves)
+        fsdp_reset(model, leaves)
     return mapped
 
 
