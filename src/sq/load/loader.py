@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from torch.distributed.tensor import DTensor
 
 from sq.dist import ParallelDims
@@ -254,19 +253,15 @@ def fill(model: nn.Module, plan: LoadPlan, names, *, device: torch.device | str 
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     requests, problems = [], []
-    hints = []  # the mapped shards' ranges: the kernel reads them ahead, they are touched later
     for n in names:
-        t = params[n] if n in params else buffers[n]
         if n in mapped:
-            hints += [(r.ckpt_key, r.storage_offsets, r.lengths) for r in requests_for(t, plan.keymap.pieces[n])[0]]
             continue
+        t = params[n] if n in params else buffers[n]
         reqs, covered = requests_for(t, plan.keymap.pieces[n])
         requests += reqs
         local = t.to_local() if hasattr(t, "to_local") else t
         if covered != local.numel():
             problems.append(f"{n}: {covered} of {local.numel()} local elements covered")
-    if hints:
-        plan.reader().will_need(hints)
     if not problems:  # a rank short of coverage reads nothing: it raises below, with the others
         try:
             dcp_read(plan.source, requests, reader=plan.reader())
@@ -292,8 +287,10 @@ def _map_params(model: nn.Module, plan: LoadPlan, names) -> set[str]:
     The new parameter keeps the old one's DTensor mesh, placements and global shape; FSDP2's
     records are re-pointed at it (``reset_sharded_param``, the path of ``load_state_dict(assign=True)``).
     A shard FSDP2 pads (uneven split) is left to the copy path: its padded buffer would be a copy.
+    The mapped ranges get the reads' ``WILLNEED`` hint: the kernel reads them ahead of the touch.
     """
-    reader, mapped, leaves = plan.reader(), set(), set()
+    reader, mapped, leaves, hints = plan.reader(), set(), set(), []
+    padded_size = None  # id(FSDP2 sharded parameter) -> its padded local size, built once per call
     for n in names:
         mod, leaf = module_of(model, n)
         p = mod._parameters.get(leaf)
@@ -303,8 +300,10 @@ def _map_params(model: nn.Module, plan: LoadPlan, names) -> set[str]:
         local = p.to_local() if isinstance(p, DTensor) else p
         if len(reqs) != 1 or covered != local.numel() or tuple(reqs[0].dest.shape) != tuple(local.shape):
             continue
-        if isinstance(p, DTensor) and _padded(model, p):
-            continue
+        if isinstance(p, DTensor):
+            padded_size = _fsdp_padded_sizes(model) if padded_size is None else padded_size
+            if padded_size.get(id(p), tuple(local.shape)) != tuple(local.shape):
+                continue
         r = reqs[0]
         view = reader.file_view(r.ckpt_key, r.storage_offsets, r.lengths, local.dtype)
         if view is None:
@@ -315,22 +314,21 @@ def _map_params(model: nn.Module, plan: LoadPlan, names) -> set[str]:
         mod._parameters[leaf] = nn.Parameter(view, requires_grad=p.requires_grad)
         mapped.add(n)
         leaves.add(mod)
+        hints.append((r.ckpt_key, r.storage_offsets, r.lengths))
     if leaves:
         fsdp_reset(model, leaves)
+        reader.will_need(hints)
     return mapped
 
 
-def _padded(model: nn.Module, p) -> bool:
-    """Whether FSDP2 keeps ``p``'s local shard in a padded buffer (dim 0 not divisible by the mesh)."""
+def _fsdp_padded_sizes(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """id(sharded parameter) -> the local size FSDP2 keeps it at (padded where dim 0 does not divide
+    by the mesh); parameters FSDP2 does not manage (expert-parallel experts) are absent."""
     from torch.distributed.fsdp import FSDPModule
 
-    for mod in model.modules():
-        if isinstance(mod, FSDPModule):
-            for group in mod._get_fsdp_state()._fsdp_param_groups:
-                for fp in group.fsdp_params:
-                    if fp.sharded_param is p:
-                        return tuple(fp.padded_sharded_param_size) != tuple(p.to_local().shape)
-    return False
+    return {id(fp.sharded_param): tuple(fp.padded_sharded_param_size)
+            for mod in model.modules() if isinstance(mod, FSDPModule)
+            for group in mod._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params}
 
 
 @torch.no_grad()

@@ -54,10 +54,9 @@ class AWQConfig(AlgoConfig):
                                     "outputs (fp: AutoAWQ and llm-compressor with round-to-nearest) or the "
                                     "quantized block's (quantized: as GPTQ); auto = quantized with "
                                     "--awq-gptq on, else fp", choices={c: c for c in ("auto", "fp", "quantized")})
-
     awq_clip: str = option("auto", "after the fold, search each output row's clipping range per quantization "
                                    "group (AutoAWQ's clip: the max shrunk by up to half, 20 steps) on the group's "
-                                   "output error; integer group / channel schemes, dense Linears other than "
+                                   "output error; integer per-group schemes, dense Linears other than "
                                    "attention's query / key producers; auto = on unless --awq-gptq on",
                            choices={c: c for c in ("auto", "on", "off")})
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from sq.anatomy import decoder_blocks, experts_modules
 from sq.calib.data import calibration_windows, load_tokenizer, read_corpus_dist, tokenize_corpus
 from sq.demo import resolve_model_dist
-from sq.dist import ParallelDims
+from sq.dist import ParallelDims, all_reduce_min_int
 from sq.errors import SqError
 from sq.files import sha256_bytes
 from sq.load.loader import plan_load
@@ -39,7 +39,6 @@ __all__ = ["PTQConfig", "quantize_model", "auto_ep"]
 
 logger = logging.getLogger(__name__)
 
-# job settings read only by algorithms that run calibration data (not in an RTN run's signature)
 @functools.lru_cache(maxsize=1)
 def cpu_has_bf16_matrix_units() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX, ``amx_bf16`` in
@@ -51,18 +50,7 @@ def cpu_has_bf16_matrix_units() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=1)
-def _every_rank_has_bf16_matrix_units() -> bool:
-    """:func:`cpu_has_bf16_matrix_units` on every rank (one all-reduce, the first time it is asked,
-    which every rank does at the same point: the job's setup), so that all ranks calibrate alike."""
-    local = cpu_has_bf16_matrix_units()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([int(local)])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
-    return local
-
-
+# job settings read only by algorithms that run calibration data (not in an RTN run's signature)
 CALIBRATION_FIELDS = ("nsamples", "seqlen", "seed", "dataset", "calibrate_all_experts", "calib_dtype")
 # --calib-dtype words: the dtype calibration forwards compute in (``PTQConfig.compute_dtype``)
 CALIB_DTYPES = ("auto", "float32", "model")
@@ -163,9 +151,12 @@ class PTQConfig:
         in float32).  The weights stay in the checkpoint's dtype (FSDP2 casts the gathered copies:
         ``sq.parallel.fsdp.apply_parallel``); every quantized value is computed from them exactly as
         before, only the activations are more precise.
+
+        Collective for ``auto`` on CPU (every rank must have AMX: one all-reduce), so the pipeline
+        resolves it once, on every rank, and hands the result to ``parallelize``.
         """
         if self.calib_dtype == "float32" or (self.calib_dtype == "auto" and device_type == "cpu"
-                                              and not _every_rank_has_bf16_matrix_units()):
+                                              and not all_reduce_min_int(int(cpu_has_bf16_matrix_units()))):
             return torch.float32
         return None
 
@@ -255,7 +246,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     calib = calibration_windows(tokenize_corpus(tokenizer, text), cfg.nsamples, cfg.seqlen) if text is not None else None
     data = {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None}
     return run_pipeline(cfg, model, weights, assigner, data, lambda: calib,
-                        parallelize=lambda: apply_parallel(model, ParallelDims(world, cfg.ep).build_mesh(device.type),
-                                                           compute_dtype=cfg.compute_dtype(device.type)),
+                        parallelize=lambda compute_dtype: apply_parallel(
+                            model, ParallelDims(world, cfg.ep).build_mesh(device.type), compute_dtype=compute_dtype),
                         t_start=t_start)
 

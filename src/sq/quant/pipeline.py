@@ -709,7 +709,7 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
         pass
     start = p.restart_point()
     if parallelize is not None:
-        parallelize()
+        parallelize(p.compute_dtype)
     weights.fill(weights.root_names)
     if p.calibrated and start < n_blocks:
         p.calibration_inputs(start)

@@ -110,17 +110,17 @@ def _restat(work: BlockWork) -> None:
 
 class _Capture:
     """Pre-hooks on the mappings' parents: ``sum |x|`` per channel, token counts, the inputs; and on
-    the Linears the clip search covers (``clip``: relative name -> group size): each group's input
-    Gram matrix ``sum x_g x_g^T``."""
+    the Linears the clip search covers (``clip``: relative name -> pipeline Linear): each
+    quantization group's input Gram matrix ``sum x_g x_g^T``."""
 
-    def __init__(self, block: nn.Module, mappings: list[Mapping], device, clip: dict[str, int] | None = None):
+    def __init__(self, block: nn.Module, mappings: list[Mapping], device, clip: dict | None = None):
         self.on = True
         self.xsum, self.count, self.cache, self.handles = {}, {}, defaultdict(list), []
         self.grams: dict[str, torch.Tensor] = {}
-        for name, gs in (clip or {}).items():
-            width = block.get_submodule(name).in_features
-            self.grams[name] = torch.zeros(width // gs, gs, gs, dtype=torch.float64, device=device)
-            self.handles.append(block.get_submodule(name).register_forward_pre_hook(self._gram_hook(name)))
+        for name, lin in (clip or {}).items():
+            gs = lin.scheme.group_size
+            self.grams[name] = torch.zeros(lin.module.in_features // gs, gs, gs, dtype=torch.float64, device=device)
+            self.handles.append(lin.module.register_forward_pre_hook(self._gram_hook(name)))
         for m in mappings:
             if not m.per_expert:  # the experts' intermediate activations are computed in the search
                 width = _balance_param(block, m.balance[0]).shape[-1]
@@ -321,8 +321,8 @@ class AWQAlgorithm(Algorithm):
             self.gptq.observe(work)
 
     @staticmethod
-    def _clip_targets(work: BlockWork) -> dict[str, int]:
-        """Dense Linears the clip search covers (relative name -> group size): integer per-group
+    def _clip_targets(work: BlockWork) -> dict:
+        """Dense Linears the clip search covers (relative name -> pipeline Linear): integer per-group
         schemes (groups up to ``MAX_CLIP_GROUP``: a group's Gram matrix is ``G x G``; per-channel
         scales would need ``in x in``) whose scales come from their rows alone; not attention's query / key
         producers (their error passes through the softmax, which a group's output error does not
@@ -335,11 +335,11 @@ class AWQAlgorithm(Algorithm):
             if ".self_attn." in f".{rel}" and not rel.endswith(("v_proj", "o_proj")):
                 continue
             if sc.group_size <= MAX_CLIP_GROUP and lin.module.in_features % sc.group_size == 0:
-                out[rel] = sc.group_size
+                out[rel] = lin
         return out
 
     @staticmethod
-    def _clip(work: BlockWork, targets: dict[str, int], grams: dict[str, torch.Tensor], chosen) -> dict:
+    def _clip(work: BlockWork, targets: dict, grams: dict[str, torch.Tensor], chosen) -> dict:
         """Clip this rank's local rows of each target in place (after the fold: the Gram matrices of
         the inputs it scaled are divided by ``s_i s_j``); returns the report's summary."""
         col_scales = {}
@@ -348,18 +348,16 @@ class AWQAlgorithm(Algorithm):
                 for b in m.balance:
                     if ":" not in b:
                         col_scales[b] = s
-        schemes = {lin.name[len(work.prefix) + 1:]: lin.scheme for lin in work.linears}
         clipped = total = 0
-        for rel, gs in targets.items():
+        for rel, lin in targets.items():
             g = grams[rel]
             if rel in col_scales:
-                s = col_scales[rel].double().view(g.shape[0], gs)
+                s = col_scales[rel].double().view(g.shape[0], g.shape[1])
                 g = g / (s[:, :, None] * s[:, None, :])
-            local, _ = local_box(work.block.get_submodule(rel).weight)
+            local, _ = local_box(lin.module.weight)
             if not local.numel():
                 continue
-            sc = schemes[rel]
-            new, shrink = clip_search(local.detach(), g, lambda w: rtn_rows(w, sc).deq)
+            new, shrink = clip_search(local.detach(), g, lambda w, sc=lin.scheme: rtn_rows(w, sc).deq)
             local.copy_(new)
             clipped += int((shrink > 0).sum())
             total += shrink.numel()
