@@ -249,3 +249,79 @@ def test_weights_sharing_an_accumulator_factor_it_once_with_the_same_bits(data, 
     shared.add_batch(x[:64])
     shared.quantize(weights[0], s, actorder=not actorder)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hessian_upper_triangle_is_each_samples_full_product(dtype):
+    """add_batch computes only the upper block triangle of each sample's x^T x (in bands) and
+    mirrors it: H is exactly symmetric and equals the per-sample float32 products summed in float64."""
+    g = torch.Generator().manual_seed(3)
+    n = 300  # not a multiple of any band
+    x = (torch.randn(3, 64, n, generator=g) * torch.rand(n, generator=g) * 4).to(dtype)
+    acc = GPTQ(n)
+    acc.add_batch(x[:2])
+    acc.add_batch(x[2:])
+    H = acc.H
+    assert torch.equal(H, H.T)
+    ref = sum((s.float().T @ s.float()).double() for s in x)
+    torch.testing.assert_close(H, ref, rtol=0, atol=0)
+    assert acc.nsamples == 3 * 64
+    # a 2-D token set (float64) after sample batches sees the mirrored matrix, not half of it
+    acc.add_batch(x[0].float())
+    torch.testing.assert_close(acc.H, ref + (x[0].double().T @ x[0].double()), rtol=1e-12, atol=1e-9)
+
+
+def test_inverse_factor_float32_then_float64():
+    """The damped inverse factor is computed in float32 when every pivot is sound and again in
+    float64 (same dampening, no retry) when not; both satisfy U^T U = (H + damp I)^-1."""
+    import sq.quant.gptq as gptq_mod
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 128, generator=g, dtype=torch.float64) @ torch.randn(128, 128, generator=g, dtype=torch.float64)
+    x[:, :4] *= 30.0  # 64 tokens in 128 dims: H is singular, H + damp I as ill-conditioned as damp makes it
+    for percdamp, want_dtype_path in ((0.01, "float32"), (1e-5, "float64")):
+        H = x.T @ x
+        Hd = H + percdamp * float(H.diagonal().mean()) * torch.eye(128, dtype=torch.float64)
+        n = H.shape[0]
+        J = torch.arange(n - 1, -1, -1)
+        paths = []
+        real = torch.linalg.cholesky_ex
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.linalg, "cholesky_ex", lambda A: paths.append(str(A.dtype)) or real(A))
+            U, damp, retries = gptq_mod._inverse_cholesky(H[J][:, J].clone(), float(H.diagonal().mean()),
+                                                          GPTQConfig(percdamp=percdamp), "t")
+        assert retries == 0 and U.dtype == torch.float32
+        assert paths[-1] == f"torch.{want_dtype_path}", paths
+        inv = torch.linalg.inv(Hd)
+        assert float((U.double().T @ U.double() - inv).norm() / inv.norm()) < 1e-4
+        assert torch.equal(U, torch.triu(U))
+
+
+def test_lower_inverse_by_halves():
+    import sq.quant.gptq as gptq_mod
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(700, 700, generator=g, dtype=torch.float64)
+    L = torch.linalg.cholesky(a @ a.T + 700 * torch.eye(700, dtype=torch.float64))
+    inv = gptq_mod._lower_inverse(L, leaf=64)
+    torch.testing.assert_close(inv @ L, torch.eye(700, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.equal(inv, torch.tril(inv))
+
+
+@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM", "NVFP4A16"])
+def test_stacked_weights_solve_as_each_alone(data, name):
+    """The pipeline solves the Linears sharing a Hessian (q/k/v, gate/up) as one stack of rows
+    (GPTQAlgorithm.solve_linears): each one's rows equal its own solve, bit for bit."""
+    x, _ = data
+    s = get_scheme(name, 64 if name.startswith("W") else 16)
+    ws = [_data(seed)[1][:rows] for seed, rows in ((1, 96), (2, 32), (3, 40))]
+    g = _gptq(x)
+    alone = [g.quantize(w, s, actorder=True) for w in ws]
+    stats = None
+    if name == "NVFP4A16":  # fused partners share one global scale: the stack's
+        stats = {"global_absmax": torch.stack([w.abs().max() for w in ws]).max().float().reshape(1)}
+        alone = [g.quantize(w, s, actorder=True, stats=stats) for w in ws]
+    stacked = g.quantize(torch.cat(ws), s, actorder=True, stats=stats)
+    heights = [w.shape[0] for w in ws]
+    for a, q, sc, wt in zip(alone, stacked.q.split(heights), stacked.scale.split(heights), stacked.weight.split(heights)):
+        assert torch.equal(a.q, q) and torch.equal(a.scale, sc) and torch.equal(a.weight, wt)

@@ -127,7 +127,7 @@ def write_report_png(report: dict, path: Path) -> Path | None:
             if b["block"] not in blocks or b["seconds"] > blocks[b["block"]]["seconds"]:
                 blocks[b["block"]] = b
     order = sorted(blocks)
-    phases = [p for p in ("fill", "calibrate", "tune", "solve", "forward", "write", "bookkeeping")
+    phases = [p for p in ("fill", "calibrate", "tune", "solve", "forward", "write", "write_wait")
               if any(p in blocks[b] for b in order)]
     bottom = [0.0] * len(order)
     for p in phases:

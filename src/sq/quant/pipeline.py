@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -289,16 +290,58 @@ def _nonfinite_refusal(bad: list[str], linears: list[Linear], weights, skip: boo
     return problems
 
 
-def _err_terms(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor | None) -> list[float]:
-    """Numerator / denominator of the relative error (through H when given, else in weight space)."""
-    w64, d64 = w.double(), (w.double() - deq.double())
-    if H is None:
-        return [float((d64 ** 2).sum()), float((w64 ** 2).sum())]
-    return [float(((d64 @ H) * d64).sum()), float(((w64 @ H) * w64).sum())]
+def _err_terms(w: torch.Tensor, deqs: list[torch.Tensor], H: torch.Tensor | None,
+               h_cast: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> list[float]:
+    """``[num, den] * len(deqs)``: each dequantization's squared error and the weight's squared norm,
+    through ``H`` when given (else in weight space), for this rank's rows.  A report's number: one
+    product of the stacked ``[w; w - deq...]`` rows with ``H`` in ``dtype`` (H cast once per Hessian
+    into ``h_cast``, shared by the Linears that share it), summed in float64."""
+    w32 = w.float()
+    a = torch.cat([w32, *(w32 - d.float() for d in deqs)])
+    if H is not None:
+        hc = h_cast.get(id(H))
+        if hc is None:
+            hc = h_cast[id(H)] = H.to(dtype)
+        b = (a.to(dtype) @ hc).float()
+    else:
+        b = a
+    parts = (b * a).sum(dim=1, dtype=torch.float64).view(1 + len(deqs), -1).sum(dim=1).tolist()
+    return [x for num in parts[1:] for x in (num, parts[0])]
 
 
 def _raise_enospc() -> None:
     raise OSError(28, "No space left on device (injected)")
+
+
+class _Files:
+    """One background thread for each block's file I/O (serialization, fsyncs), at most one block
+    behind the computation: ``submit`` first waits for the previous block's files, so the manifest
+    records blocks in order and ranks stay within one block of each other, as resume expects.  An
+    error (ENOSPC) or a fault there surfaces on the next ``submit`` or on ``close``."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sq-files")
+        self._pending: Future | None = None
+
+    def wait(self) -> float:
+        """Seconds spent waiting for the pending block's files (0 if none)."""
+        if self._pending is None:
+            return 0.0
+        t = time.perf_counter()
+        pending, self._pending = self._pending, None
+        pending.result()
+        return time.perf_counter() - t
+
+    def submit(self, fn: Callable[[], None]) -> float:
+        waited = self.wait()
+        self._pending = self._pool.submit(fn)
+        return waited
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 @dataclass
@@ -333,6 +376,9 @@ class _Pipeline:
         self.weight_dtype = main_dtype(self.targets.blocks[0][1]) if self.targets.blocks else None
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
+        self.files = _Files()
+        # resume bookkeeping seconds by block (checksums, chain cache, manifest), spent in the background
+        self.book_s: dict[int, float] = {}
 
     # ---- before anything is mutated
     def claim(self) -> bool:
@@ -419,9 +465,9 @@ class _Pipeline:
             self._propagate(work, observed_out)
             phase["forward"] = time.perf_counter() - t
         t = time.perf_counter()
-        book = self._write(work, names, results, expert_q, bad)
-        phase["write"] = time.perf_counter() - t - book
-        phase["bookkeeping"] = book
+        wait = self._write(work, names, results, expert_q, bad)
+        phase["write"] = time.perf_counter() - t - wait
+        phase["write_wait"] = wait
         report = self.algo.block_report(work)
         if report is not None:
             self.stats.per_block[prefix] = report
@@ -512,14 +558,17 @@ class _Pipeline:
         """This rank's rows of every target -> data; the dequantized rows go back into the shard."""
         results: dict[str, tuple[Solved, list[float]]] = {}
         compare = self.algo.calibrated  # a data-driven algorithm's report shows RTN's error beside its own
-        for lin in work.linears:
-            local, _ = local_box(lin.module.weight)
-            w = local.detach().clone()
-            s = self.algo.solve(work, lin, w)
-            terms = _err_terms(w, s.deq, s.H)
+        h_cast: dict[int, torch.Tensor] = {}
+        # the report's products through H in bfloat16 where the forwards compute in it (by default on
+        # GPU and on a CPU with AMX): ~1e-3 relative on a reported error
+        err_dtype = torch.bfloat16 if work.inputs and work.inputs[0][0].dtype == torch.bfloat16 else torch.float32
+        locals_ = [local_box(lin.module.weight)[0] for lin in work.linears]
+        items = [(lin, local.detach().clone()) for lin, local in zip(work.linears, locals_)]
+        for (lin, w), local, s in zip(items, locals_, self.algo.solve_linears(work, items)):
+            deqs = [s.deq]
             if compare:  # RTN on the same rows (and the same H), for comparison in the report
-                terms += _err_terms(w, rtn_rows(w, lin.scheme, work.stats.get(lin.name),
-                                                work.row_offset.get(lin.name, 0)).deq, s.H)
+                deqs.append(rtn_rows(w, lin.scheme, work.stats.get(lin.name), work.row_offset.get(lin.name, 0)).deq)
+            terms = _err_terms(w, deqs, s.H, h_cast, err_dtype)
             local.copy_(s.deq)
             results[lin.name] = (s, terms)
         expert_q = {}
@@ -573,7 +622,8 @@ class _Pipeline:
 
     def _write(self, work: BlockWork, names, results, expert_q, bad) -> float:
         """Gather each Linear's rows on its writer and compress; rank 0 writes the rest whole; then the
-        chain cache and the manifest.  Returns the seconds spent on resume bookkeeping."""
+        shard, the chain cache and the manifest are written in the background (``_Files``) while the
+        next block computes.  Returns the seconds spent waiting for the previous block's files."""
         b, rank, fault = work.index, self.rank, self.fault
         tensors: dict[str, torch.Tensor] = {}
         for lin in work.linears:
@@ -610,21 +660,29 @@ class _Pipeline:
             die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
         elif fault is not None and fault.hit("enospc", rank, b):
             die = _raise_enospc
-        book = {}  # resume bookkeeping: checksum, chain cache, manifest (reported on its own)
-        rec = writer.write_shard(self.out, shard, tensors, die_midway=die, checksum=self.cfg.bookkeeping, timings=book)
-        maybe_die(fault, "after-shard-write", rank, b)
-        if rec:
-            self.fragments.update({k: shard for k in rec["tensors"]})
-        t_book = time.perf_counter()
-        if self.calibrated and b + 1 < len(self.targets.blocks):
-            self.state.write_chain(b + 1, [h for h, _ in self.inputs],
-                                   [h for h, _ in self.fp_inputs] if self.algo.fp_chain else None)
-        self.state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
-        book_s = book.get("checksum", 0.0) + time.perf_counter() - t_book
+        chain = fp_chain = None
+        if self.calibrated and b + 1 < len(self.targets.blocks):  # the next block's inputs (new tensors)
+            chain = [h for h, _ in self.inputs]
+            fp_chain = [h for h, _ in self.fp_inputs] if self.algo.fp_chain else None
+
+        def files() -> None:
+            """The block's file I/O, in this order: shard, chain cache, manifest (which marks it done)."""
+            book = {}  # resume bookkeeping: checksum, chain cache, manifest (reported on its own)
+            rec = writer.write_shard(self.out, shard, tensors, die_midway=die, checksum=self.cfg.bookkeeping,
+                                     timings=book)
+            maybe_die(fault, "after-shard-write", rank, b)
+            if rec:
+                self.fragments.update({k: shard for k in rec["tensors"]})
+            t_book = time.perf_counter()
+            if chain is not None:
+                self.state.write_chain(b + 1, chain, fp_chain)
+            self.state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
+            self.book_s[b] = book.get("checksum", 0.0) + time.perf_counter() - t_book
+
+        wait = self.files.submit(files)
         self.weights.free(names)
-        del tensors
         trim_heap()
-        return book_s
+        return wait
 
     def _ckpt_module(self, name: str) -> str:
         """The checkpoint prefix of module ``name`` (``model.layers.0.self_attn.``), read off one of
@@ -640,6 +698,8 @@ class _Pipeline:
     def finish(self, start: int) -> dict:
         """Root tensors, then rank 0's final stage that every rank waits for."""
         rank, world, weights = self.rank, self.world, self.weights
+        for entry in self.stats.blocks:  # the background files' bookkeeping, by block
+            entry["bookkeeping"] = round(self.book_s.get(entry["block"], 0.0), 3)
         params = dict(self.model.named_parameters())
         root = {}
         for n in weights.root_names:  # whole, under the checkpoint's own names (a tied alias has no key)
@@ -714,8 +774,11 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
     if p.calibrated and start < n_blocks:
         p.calibration_inputs(start)
     p.progress = block_progress(n_blocks, start, bar=p.rank == 0)
-    for b in range(start, n_blocks):
-        p.block(b)
+    try:
+        for b in range(start, n_blocks):
+            p.block(b)
+    finally:  # the last block's files (a failure there raises here)
+        p.files.close()
     p.progress.close()
     try:
         return p.finish(start)

@@ -466,6 +466,11 @@ class AWQAlgorithm(Algorithm):
             return self.gptq.solve(work, linear, w)
         return super().solve(work, linear, w)
 
+    def solve_linears(self, work: BlockWork, items) -> list[Solved]:
+        if self.gptq is not None:
+            return self.gptq.solve_linears(work, items)
+        return super().solve_linears(work, items)
+
     def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
         if self.gptq is not None:
             return self.gptq.solve_experts(work, eprefix, ex, pname, local, first, scheme)

@@ -144,6 +144,12 @@ class Algorithm:
         """This rank's rows ``w [rows, in]`` of ``linear`` (a copy; the pipeline writes ``deq`` back)."""
         return rtn_rows(w, linear.scheme, work.stats.get(linear.name), work.row_offset.get(linear.name, 0))
 
+    def solve_linears(self, work: BlockWork, items: list[tuple[Any, torch.Tensor]]) -> list[Solved]:
+        """Every dense target of the block: ``items`` pairs each Linear with a copy of its local rows;
+        one ``Solved`` each, in order.  An algorithm may solve several together (GPTQ stacks the
+        Linears that share a Hessian); by default each is one ``solve``."""
+        return [self.solve(work, lin, w) for lin, w in items]
+
     def solve_expert(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, e: int, w: torch.Tensor,
                      scheme) -> Solved:
         """Expert ``e``'s local rows ``w [rows, in]`` of projection ``pname`` (rows ``[r0, r0 + rows)``

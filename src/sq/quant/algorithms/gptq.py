@@ -11,6 +11,8 @@ from sq.errors import SqError
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
 from sq.quant.experts import ExpertCalibration, local_experts
 from sq.quant.forward import block_forward
+from sq.quant import primitives
+from sq.quant.formats import spec_for
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.quant.recipe import scheme_tag
 
@@ -110,6 +112,42 @@ class GPTQAlgorithm(Algorithm):
         solved.H = g.H if g is not None else None
         return solved
 
+    def solve_linears(self, work: BlockWork, items) -> list[Solved]:
+        """Linears that share a Hessian (q/k/v, gate/up) and a scheme are solved as one stack of rows:
+        GPTQ's rows are independent given the Hessian, so this is each one's own solve (same bits,
+        tests/test_quant_gptq.py) with one column loop instead of one per Linear."""
+        counting = work.state["counting"]
+        out: list[Solved | None] = [None] * len(items)
+        stacks: list[tuple[GPTQ, list[int]]] = []
+        for i, (lin, w) in enumerate(items):
+            g = counting.get(lin.name)
+            if g is None or not w.shape[0]:
+                out[i] = self.solve(work, lin, w)
+                continue
+            for g2, idx in stacks:
+                lin2, w2 = items[idx[0]]
+                if g2 is g and lin2.scheme == lin.scheme and w2.dtype == w.dtype and _same_stats(
+                        lin.scheme, work.stats.get(lin2.name), work.stats.get(lin.name)):
+                    idx.append(i)
+                    break
+            else:
+                stacks.append((g, [i]))
+        for g, idx in stacks:
+            if len(idx) == 1:
+                out[idx[0]] = self.solve(work, *items[idx[0]])
+                continue
+            lins = [items[i][0] for i in idx]
+            heights = [items[i][1].shape[0] for i in idx]
+            solved = self._rows(g, torch.cat([items[i][1] for i in idx]), lins[0].scheme,
+                                " + ".join(l.name for l in lins), work.stats.get(lins[0].name))
+            # own storage per Linear (safetensors refuses tensors that share memory in one file)
+            parts = [[p.clone() for p in t.split(heights)] if t is not None else [None] * len(idx)
+                     for t in (solved.q, solved.scale, solved.zero_point)] + [solved.deq.split(heights)]
+            for i, q, sc, z, d in zip(idx, *parts):
+                gs = solved.global_scale
+                out[i] = Solved(q, sc, z, d, H=g.H, global_scale=None if gs is None else gs.clone())
+        return out
+
     @staticmethod
     def _expert_stats(work, eprefix, ex, pname, e):
         """Expert ``e``'s all-reduced statistics of ``pname`` (None: none needed).  The pipeline keeps
@@ -166,3 +204,14 @@ class GPTQAlgorithm(Algorithm):
         for calib in work.state["calibs"].values():
             for g in (*calib.h_in.values(), *calib.h_mid.values()):
                 g.free()
+
+
+def _same_stats(scheme, a, b) -> bool:
+    """Whether two Linears quantize under the same cross-row statistics of ``scheme`` (none for
+    most; NVFP4's global absmax, which q/k/v and gate/up share), so their rows can be stacked."""
+    need = primitives.cross_row_stats(spec_for(scheme))
+    if not need:
+        return True
+    if not a or not b:
+        return not a and not b
+    return all(k in a and k in b and torch.equal(a[k], b[k]) for k in need)
