@@ -10,10 +10,11 @@ Hinv[i, j:] / Hinv[i, i]``).  Rows never mix, so given the full ``in x in`` Hess
 (summed over every rank's tokens) a rank can solve its own rows alone.  Scales are
 per row too (groups run along ``in``).
 
-Numerics: the Hessian is accumulated in float64 -- per calibration sample ``x^T x`` in float32,
-summed in float64 -- so a sum over ranks (which split by samples) does not depend on the rank
-count beyond float64 rounding; it is factored in float64, and the column sweep runs
-in float32.  Scales are computed by the scheme's own format maths
+Numerics: the Hessian is accumulated in float64 -- per calibration sample ``x^T x`` in float32
+(its upper block triangle, mirrored), summed in float64 -- so a sum over ranks (which split by
+samples) does not depend on the rank count beyond float64 rounding; its damped inverse factor is
+computed in float32 when a residual check passes, else in float64 (``_inverse_cholesky``), and the
+column sweep runs in float32.  Scales are computed by the scheme's own format maths
 (:func:`sq.quant.primitives.choose_qparams` with the ``QuantSpec`` of ``formats.spec_for``) on the
 weights rounded to their storage dtype, so a GPTQ scale is exactly the one compressed-tensors
 would compute for those (error-updated) weights; the error that is propagated is the
@@ -38,8 +39,10 @@ Weights that share one accumulator (q/k/v read the same input; with calibrate-al
 expert's gate/up reads every token) share its prepared Hessian: the normalized, dead-column
 fixed, act-order permuted matrix and its damped inverse Cholesky factor are computed by the
 first ``quantize`` call and reused by the later ones with the same settings (on DeepSeek-V3 a
-7168 x 7168 float64 factorization once per block instead of once per local expert).  Each call
-would compute exactly that matrix from exactly the same inputs, so the bits do not change.
+7168 x 7168 factorization once per block instead of once per local expert).  Each call
+would compute exactly that matrix from exactly the same inputs, so the bits do not change.  The
+pipeline goes further and solves such weights as one stack of rows when their schemes match
+(``sq.quant.algorithms.gptq``): one column loop for q/k/v instead of three.
 """
 
 from __future__ import annotations
@@ -340,14 +343,7 @@ class GPTQ:
         if perm is not None:
             W = W[:, perm]
 
-        # column j (in sweep order) uses scale column group_of[j]
-        if scheme.strategy == "channel":
-            group_of = torch.zeros(cols, dtype=torch.long)
-        else:
-            group_of = torch.arange(cols) // scheme.group_size
-            if perm is not None:
-                group_of = group_of[perm.cpu()]
-        group_of = group_of.tolist()
+        group_of = _group_of(scheme, cols, perm)  # column j (in sweep order) uses scale column group_of[j]
 
         # Groups must not straddle blocks when their scales are computed mid-sweep: the
         # columns of the next block have not yet received this block's lazy update.
@@ -401,16 +397,7 @@ class GPTQ:
                 # library promotes it to float32 for this division anyway (NVFP4: scale /
                 # global scale, which the library computes in float32 first, is s32)
                 if int_codes:
-                    # primitives.quantize_values / dequantize_values for an int type, in place on
-                    # one temporary (the same operations in the same order: the same bits)
-                    dq = w_col / s32
-                    if z32 is not None:
-                        dq.add_(z32)
-                    dq.clamp_(qmin, qmax).round_()
-                    q_rows[i].copy_(dq)  # integral values: the int8 cast is exact
-                    if z32 is not None:
-                        dq.sub_(z32)
-                    dq.mul_(s32)
+                    dq = _int_qdq(w_col, s32, z32, q_rows[i], qmin, qmax)
                 else:
                     q = rtn.quantize_values(w_col, s32, z32, scheme)
                     q_rows[i].copy_(q)
@@ -467,6 +454,28 @@ class GPTQ:
             global_scale=torch.cat(gscales) if spec_for(scheme).global_scale else None,
             _rel_err=lambda: _relative_error(w, weight, dead, prep.h_err(), loss, damp),
         )
+
+
+def _group_of(scheme: QuantScheme, cols: int, perm: Tensor | None) -> list[int]:
+    """The scale column of each column in sweep order (act-order permutes them)."""
+    if scheme.strategy == "channel":
+        return [0] * cols
+    group_of = torch.arange(cols) // scheme.group_size
+    return (group_of[perm.cpu()] if perm is not None else group_of).tolist()
+
+
+def _int_qdq(w_col: Tensor, s32: Tensor, z32: Tensor | None, q_row: Tensor, qmin: int, qmax: int) -> Tensor:
+    """``primitives.quantize_values`` then ``dequantize_values`` of one column for an int type, in
+    place on one temporary (the same operations in the same order: the same bits); the codes go to
+    ``q_row`` (integral values: the int8 cast is exact).  Returns ``(q - zp) * scale`` in float32."""
+    dq = w_col / s32
+    if z32 is not None:
+        dq.add_(z32)
+    dq.clamp_(qmin, qmax).round_()
+    q_row.copy_(dq)
+    if z32 is not None:
+        dq.sub_(z32)
+    return dq.mul_(s32)
 
 
 @dataclass
