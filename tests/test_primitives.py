@@ -263,3 +263,28 @@ def test_missing_stats_and_bad_specs_refused():
         P.QuantSpec(P.PerGroup(32), P.int_type(4), scale_dtype=P.E8M0)
     with pytest.raises(ValueError):
         P.PerGroup(0)
+
+
+@pytest.mark.parametrize("rows,cols", [(384, 1024), (576, 576), (300, 200), (1000, 130), (129, 1)])
+def test_block_absmax_of_any_row_shard_is_the_tiles_absmax(rows, cols):
+    """FP8_BLOCK's block absmax (reduced down each block row, then across each tile's columns) of any
+    row range equals the brute-force max of |x| over each tile's rows in that range."""
+    from sq.quant.formats import spec_for
+    from sq.quant.schemes import get_scheme
+
+    spec = spec_for(get_scheme("FP8_BLOCK"))
+    br, bc = spec.granularity.rows, spec.granularity.cols
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    w[5, min(3, cols - 1)] = 100
+    for lo, hi in [(0, rows), (0, rows // 3), (rows // 3, rows), (7, rows - 5), (130, 260)]:
+        hi = min(hi, rows)
+        if hi <= lo:
+            continue
+        got = P.local_stat(w[lo:hi], spec, "absmax", row_offset=lo, rows=rows)
+        want = torch.zeros_like(got)
+        for i in range(got.shape[0]):
+            for j in range(got.shape[1]):
+                tile = w[max(lo, i * br):min(hi, (i + 1) * br), j * bc:(j + 1) * bc]
+                if tile.numel():
+                    want[i, j] = tile.abs().max().float()
+        assert torch.equal(got, want), (lo, hi)

@@ -298,10 +298,37 @@ def local_stat(x: Tensor, spec: QuantSpec, stat: str, *, row_offset: int = 0, ro
     grid = torch.zeros(nbr, nbc, dtype=dtype, device=x.device)
     if x.shape[0] == 0:
         return grid
+    if stat == "absmax":
+        return _block_absmax(x, g, row_offset, grid)
     vals = _reduce(_grouped(x, g.cols), stat).to(dtype)
     idx = (torch.arange(x.shape[0], device=x.device) + row_offset) // g.rows
     how = "amin" if stat == "min" else "amax"
     return grid.scatter_reduce_(0, idx[:, None].expand_as(vals), vals, how, include_self=True)
+
+
+def _block_absmax(x: Tensor, g: PerBlock, row_offset: int, grid: Tensor) -> Tensor:
+    """``grid`` (zeros, the block grid) filled with the absmax of each tile ``x`` has rows of:
+    first down the rows of each block row (a reduction across rows runs along contiguous columns:
+    ~4x faster on CPU than one over each row's 128-column groups, the old way), then across the
+    columns of each tile.  Exact, like any max."""
+    a = x.abs()
+    r0 = row_offset
+    col_max = []  # (block row, [cols] absmax over this shard's rows in it)
+    lo = 0
+    while lo < a.shape[0]:  # a partial first / last block row where the shard starts / ends mid-tile
+        br = (r0 + lo) // g.rows
+        hi = min(a.shape[0], (br + 1) * g.rows - r0)
+        full = (hi - lo) // g.rows if (r0 + lo) % g.rows == 0 else 0
+        if full > 1:
+            hi = lo + full * g.rows
+            col_max.append((br, a[lo:hi].unflatten(0, (full, g.rows)).amax(dim=1)))
+        else:
+            col_max.append((br, a[lo:hi].amax(dim=0, keepdim=True)))
+        lo = hi
+    for br, m in col_max:
+        blocks = _grouped(m, g.cols).amax(-1).to(grid.dtype)  # [k, n_bc]
+        grid[br : br + blocks.shape[0]] = torch.maximum(grid[br : br + blocks.shape[0]], blocks)
+    return grid
 
 
 def _reduce(t: Tensor, stat: str) -> Tensor:
