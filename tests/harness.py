@@ -64,8 +64,8 @@ def _child(fn, rank, world, store_path, args, kwargs, out_q, threads, collective
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world,
+        dist.init_process_group(  # NCCL with gloo beside it for CPU tensors, as sq.dist does
+            "cpu:gloo,cuda:nccl" if backend == "nccl" else backend, store=store, rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
         result = fn(rank, world, *args, **kwargs)

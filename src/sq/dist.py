@@ -48,6 +48,12 @@ def env_from_torchrun(environ: dict[str, str] | None = None) -> tuple[int, int, 
     )
 
 
+def uses_nccl() -> bool:
+    """Whether the default group runs NCCL (alone, or beside gloo for CPU tensors): sq then works on
+    the rank's GPU."""
+    return "nccl" in str(dist.get_backend())
+
+
 def init_distributed(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -66,13 +72,15 @@ def init_distributed(
         local_rank = env_from_torchrun(environ)[2]
     else:
         rank, world, local_rank = env_from_torchrun(environ)
-        backend = backend or ("nccl" if use_cuda else "gloo")
+        # on CUDA, gloo beside NCCL: the CPU tensors of sq's small collectives (report terms, flags)
+        # need a backend too (NCCL alone refused them on the first GPU run, torch 2.11)
+        backend = backend or ("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
         if world == 1 and "MASTER_ADDR" not in (os.environ if environ is None else environ):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    if use_cuda and dist.get_backend() == "nccl":
+    if use_cuda and uses_nccl():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -209,7 +217,7 @@ def all_reduce_min_int(value: int) -> int:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
+    if uses_nccl():
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

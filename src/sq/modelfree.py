@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load as st_load
 
-from sq.dist import rank0_stage
+from sq.dist import rank0_stage, uses_nccl
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
@@ -618,7 +618,7 @@ def _reduced_stats(units: list[Unit], parts: list[Unit], reader: _Reader) -> tup
     finally:
         ahead.close()
     flat = torch.cat(chunks)
-    if dist.get_backend() == "nccl":
+    if uses_nccl():
         flat = flat.cuda()
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     flat = flat.cpu()

@@ -367,6 +367,18 @@ def module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(mod_name) if mod_name else model), leaf
 
 
+def fsdp_param_groups(mod: nn.Module) -> list:
+    """An FSDP2 module's parameter groups (no public getter): torch 2.13 keeps a list
+    (``_fsdp_param_groups``), torch 2.11 one group or None (``_fsdp_param_group``, which 2.13 keeps
+    too) -- found on the GPU machine's torch 2.11, where the list's absence broke every load."""
+    state = mod._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def fsdp_reset(model: nn.Module, leaves: set[nn.Module]) -> None:
     """After swapping parameters under FSDP2, re-point its sharded-param records at them."""
     from torch.distributed.fsdp import FSDPModule
@@ -374,8 +386,7 @@ def fsdp_reset(model: nn.Module, leaves: set[nn.Module]) -> None:
     for mod in model.modules():
         if not isinstance(mod, FSDPModule):
             continue
-        state = mod._get_fsdp_state()
-        for group in state._fsdp_param_groups:
+        for group in fsdp_param_groups(mod):
             for fp in group.fsdp_params:
                 if fp._module_info.module in leaves:
                     fp.reset_sharded_param()

@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.dist import ParallelDims
+from sq.dist import ParallelDims, uses_nccl
 from sq.errors import LoadRefused
-from sq.load.fill import (SqStorageReader, agree, dcp_read, fsdp_reset, module_of, requests_for,
+from sq.load.fill import (SqStorageReader, agree, dcp_read, fsdp_param_groups, fsdp_reset, module_of, requests_for,
                           set_device)
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
@@ -328,7 +328,7 @@ def _fsdp_padded_sizes(model: nn.Module) -> dict[int, tuple[int, ...]]:
 
     return {id(fp.sharded_param): tuple(fp.padded_sharded_param_size)
             for mod in model.modules() if isinstance(mod, FSDPModule)
-            for group in mod._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params}
+            for group in fsdp_param_groups(mod) for fp in group.fsdp_params}
 
 
 @torch.no_grad()
@@ -362,7 +362,7 @@ def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: t
     if not dist.is_initialized():
         raise LoadRefused("load_sharded needs an initialized process group (sq.dist.init_distributed())")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else "cpu"
     model = build_skeleton(checkpoint_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     plan = plan_load(model, checkpoint_dir, trust_remote_code=trust_remote_code)
     if mesh is None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from sq.anatomy import decoder_blocks, experts_modules
 from sq.calib.data import calibration_windows, load_tokenizer, read_corpus_dist, tokenize_corpus
 from sq.demo import resolve_model_dist
-from sq.dist import ParallelDims, all_reduce_min_int
+from sq.dist import ParallelDims, all_reduce_min_int, uses_nccl
 from sq.errors import SqError
 from sq.files import sha256_bytes
 from sq.load.loader import plan_load
@@ -188,7 +188,7 @@ class PTQConfig:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else torch.device("cpu")
 
 
 def auto_ep(model, world: int, algo) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.dist import all_ok, broadcast_object, rank0_stage
+from sq.dist import all_ok, broadcast_object, rank0_stage, uses_nccl
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
@@ -116,7 +116,7 @@ def raise_all(problems: list[str], what: str) -> None:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else torch.device("cpu")
 
 
 def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets, calibrated: bool) -> list[str]:
