@@ -15,7 +15,7 @@
 #   3. the standard benchmark on one GPU: demo:smollm2 W4A16 group 64, 128 x 512 pydoc tokens,
 #      RTN and GPTQ, wall time and perplexity (sq.eval, last 40 windows of 512).
 # Everything it prints also goes to $OUT/gpu_check.log ($OUT: the device tool's result folder; else
-# bench/_work/gpu).
+# bench/_work/gpu). First run 2026-12-04 on one H200: docs/benchmarks.md, "On a GPU".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/_work/gpu}"

@@ -363,3 +363,19 @@ def test_mapped_shards_equal_copied_shards(checkpoints, world, ep):
             assert r["maps"] > 0, (name, rank, r)  # the model holds views of the checkpoint's files
             assert r["same_logits"] and r["file_unchanged"] and r["tied_ok"], (name, rank, r)
             assert r["fsdp_copies"] == [], (name, rank, r["fsdp_copies"][:5])
+
+
+def test_fsdp_param_groups_reads_both_torch_layouts():
+    """torch 2.13's FSDP2 state keeps a list of parameter groups, torch 2.11 (the GPU machine's)
+    one group or None: both read as a list (every load failed on torch 2.11 before)."""
+    from types import SimpleNamespace
+
+    from sq.load.fill import fsdp_param_groups
+
+    def module(state):
+        return SimpleNamespace(_get_fsdp_state=lambda: state)
+
+    g1, g2 = object(), object()
+    assert fsdp_param_groups(module(SimpleNamespace(_fsdp_param_groups=[g1, g2], _fsdp_param_group=g1))) == [g1, g2]
+    assert fsdp_param_groups(module(SimpleNamespace(_fsdp_param_group=g1))) == [g1]
+    assert fsdp_param_groups(module(SimpleNamespace(_fsdp_param_group=None))) == []
