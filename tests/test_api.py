@@ -114,3 +114,28 @@ def test_unsharded_model_is_refused_on_every_rank(tmp_path):
     assert msgs[0] == msgs[1]
     assert "model.layers.0" in msgs[0] and "fully_shard each decoder layer" in msgs[0]
     assert not (tmp_path / "q").exists()
+
+
+def _nccl_alone_refused(rank, world, out):
+    import torch.distributed as dist
+
+    import sq
+    from sq.errors import SqError
+
+    real = dist.get_backend
+    dist.get_backend = lambda *a, **k: "nccl"  # a training framework's NCCL-only group, as sq sees it
+    try:
+        sq.quantize(_tiny_llama(0), out, algo="rtn", group_size=GS)
+    except SqError as e:
+        return str(e)
+    finally:
+        dist.get_backend = real
+    return None
+
+
+def test_nccl_only_process_group_is_refused_on_every_rank(tmp_path):
+    """sq's collectives carry small CPU tensors: a group of NCCL alone (which refused them on the
+    first GPU run) is refused up front with the fix, on every rank, before anything is written."""
+    msgs = run_ranks(_nccl_alone_refused, 2, str(tmp_path / "q"), timeout=120)
+    assert msgs[0] == msgs[1] and 'cpu:gloo,cuda:nccl' in msgs[0], msgs
+    assert not (tmp_path / "q").exists()

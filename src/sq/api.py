@@ -92,6 +92,11 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     t_start = time.perf_counter()
     if not dist.is_initialized():
         init_distributed()
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:  # the same string on every rank: all refuse
+        raise SqError(f"sq.quantize: the process group runs {backend} alone, and sq's collectives also carry "
+                      "small CPU tensors (statistics, flags, report terms); create it with gloo beside NCCL: "
+                      "dist.init_process_group(\"cpu:gloo,cuda:nccl\")")
     cfg, problems = None, []
     try:
         cfg = PTQConfig.build(model=f"<in-memory {type(model).__name__}>", output=str(output), scheme=scheme,
