@@ -164,8 +164,8 @@ class GPTQ:
         per-sample accumulation, which computes the upper block triangle only."""
         if self._upper and self._H is not None:
             H, n = self._H, self._H.shape[0]
-            for a in range(0, n, 128):  # band by band: ~10x one whole-matrix triu pass
-                b = min(a + 128, n)
+            for a in range(0, n, _SYM_BAND):  # band by band: ~10x one whole-matrix triu pass
+                b = min(a + _SYM_BAND, n)
                 d = H[a:b, a:b]
                 d.copy_(torch.triu(d) + torch.triu(d, 1).mT)
                 H[b:, a:b].copy_(H[a:b, b:].mT)
@@ -256,9 +256,7 @@ class GPTQ:
         if self._prepared is not None and self._prepared.key == key:
             return self._prepared
         self._prepared = None
-        if self.nsamples == 0:
-            raise SqError("GPTQ: no calibration samples were accumulated")
-        H = self.H.to(device=dev, dtype=torch.float64)  # the raw sum [cols, cols]
+        H = self.H.to(device=dev, dtype=torch.float64)  # the raw sum [cols, cols] (tokens: _check_solvable)
         if not rtn.all_finite(H):
             raise SqError(f"{name}: the calibration Hessian has non-finite entries (inf/NaN inputs)")
         c = 2.0 / self.nsamples

@@ -307,27 +307,24 @@ def local_stat(x: Tensor, spec: QuantSpec, stat: str, *, row_offset: int = 0, ro
 
 
 def _block_absmax(x: Tensor, g: PerBlock, row_offset: int, grid: Tensor) -> Tensor:
-    """``grid`` (zeros, the block grid) filled with the absmax of each tile ``x`` has rows of:
-    first down the rows of each block row (a reduction across rows runs along contiguous columns:
-    ~4x faster on CPU than one over each row's 128-column groups, the old way), then across the
-    columns of each tile.  Exact, like any max."""
+    """``grid`` (zeros, the block grid) raised to the absmax of each tile's rows in ``x`` (rows
+    ``row_offset...`` of the weight): first down the rows of each block row (a reduction across rows
+    runs along contiguous columns: ~4x faster on CPU than one over each row's column groups, the
+    old way), then across each tile's columns.  Exact, like any max."""
     a = x.abs()
-    r0 = row_offset
-    col_max = []  # (block row, [cols] absmax over this shard's rows in it)
     lo = 0
-    while lo < a.shape[0]:  # a partial first / last block row where the shard starts / ends mid-tile
-        br = (r0 + lo) // g.rows
-        hi = min(a.shape[0], (br + 1) * g.rows - r0)
-        full = (hi - lo) // g.rows if (r0 + lo) % g.rows == 0 else 0
-        if full > 1:
+    while lo < a.shape[0]:
+        br, off = divmod(row_offset + lo, g.rows)
+        full = (a.shape[0] - lo) // g.rows if off == 0 else 0
+        if full > 1:  # whole block rows at once
             hi = lo + full * g.rows
-            col_max.append((br, a[lo:hi].unflatten(0, (full, g.rows)).amax(dim=1)))
-        else:
-            col_max.append((br, a[lo:hi].amax(dim=0, keepdim=True)))
-        lo = hi
-    for br, m in col_max:
-        blocks = _grouped(m, g.cols).amax(-1).to(grid.dtype)  # [k, n_bc]
+            m = a[lo:hi].unflatten(0, (full, g.rows)).amax(dim=1)
+        else:  # one block row, or the part of it this shard holds (it starts or ends mid-tile)
+            hi = min(a.shape[0], lo + g.rows - off)
+            m = a[lo:hi].amax(dim=0, keepdim=True)
+        blocks = _grouped(m, g.cols).amax(-1).to(grid.dtype)  # [block rows, n_bc]
         grid[br : br + blocks.shape[0]] = torch.maximum(grid[br : br + blocks.shape[0]], blocks)
+        lo = hi
     return grid
 
 
