@@ -1,4 +1,5 @@
-"""sq.parallel.collectives on real gloo ranks: every gather against the unsharded tensor, bit for bit.
+"""sq.parallel.collectives on real gloo ranks: every gather (and the scatter back) against the unsharded
+tensor, bit for bit.
 
 Uneven shards (7 rows over 3 ranks, a rank with 0 rows, hand-picked counts), dtypes gloo cannot
 reduce or does not know (float8, packed int32, bfloat16 with NaN payloads: the tensors are random
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 from sq.parallel.collectives import (all_gather_rows, all_gather_rows_autograd, dim0_counts, full_tensor,
-                                     gather_rows, row_counts)
+                                     gather_rows, row_counts, scatter_rows)
 
 DTYPES = (torch.int32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8, torch.int64, torch.bool)
 
@@ -90,6 +91,28 @@ def _check_gathers(rank: int, world: int) -> None:
     assert full_tensor(local) is local
 
 
+def _check_scatter(rank: int, world: int) -> None:
+    """scatter_rows: several tensors of different dtypes, row shapes and counts from one rank, each
+    rank its own rows bit for bit (odd byte sizes back to back: every piece lands aligned)."""
+    cases = _cases(world)
+    for src in range(world):
+        specs = [(dt, row) for dt, row in zip(DTYPES, ((6,), (), (3, 2), (5,), (1,), (7,)))]
+        counts = [cases[k % len(cases)] for k in range(len(specs))]
+        fulls = [_random((sum(c), *row), dt, 50 + k) for k, (c, (dt, row)) in enumerate(zip(counts, specs))]
+        got = scatter_rows(fulls if rank == src else None, counts, src, specs)
+        assert len(got) == len(fulls)
+        for k, (g, f, c) in enumerate(zip(got, fulls, counts)):
+            assert _same(g, _shard(f, c, rank)), (src, k, c)
+            assert g.untyped_storage().nbytes() >= g.numel() * g.element_size()
+        # one tensor per rank (counts of ones): what every rank must receive whole, e.g. a global scale
+        whole = _random((3,), torch.float32, 99)
+        (one,) = scatter_rows([whole.unsqueeze(0).expand(world, 3)] if rank == src else None, [[1] * world], src,
+                              [(torch.float32, (3,))])
+        assert _same(one[0], whole)
+    with pytest.raises(ValueError, match="specs"):
+        scatter_rows(None, [[1] * (world + 1)], 0, [(torch.float32, ())])
+
+
 def _check_subgroup(rank: int, world: int) -> None:
     """A group of the last two ranks (EP's dp/ep groups are subgroups); ``dst`` stays a global rank."""
     members = [world - 2, world - 1]
@@ -132,6 +155,7 @@ def _check_autograd(rank: int, world: int) -> None:
 
 def _all(rank: int, world: int) -> None:
     _check_gathers(rank, world)
+    _check_scatter(rank, world)
     _check_autograd(rank, world)
     if world >= 2:
         _check_subgroup(rank, world)

@@ -9,7 +9,8 @@ helper                         result                                         us
 =============================  =============================================  ======================
 ``dim0_counts(n, world)``      every rank's dim-0 shard size under FSDP2      SignRound, the writer
 ``row_counts(n, group)``       every rank's size, when only the rank knows    token gathers
-``gather_rows(t, counts, d)``  the whole tensor on rank ``d``, None elsewhere  the writer
+``gather_rows(t, counts, d)``  the whole tensor on rank ``d``, None elsewhere  the writer, GPTQ
+``scatter_rows(ts, ...)``      back: each rank its rows of tensors held by one  GPTQ's solvers
 ``all_gather_rows(t, ...)``    the whole tensor on every rank                 EP forward, experts
 ``all_gather_rows_autograd``   the same, differentiable (sum of grads back)   SignRound
 ``full_tensor(t)``             a DTensor's whole tensor, a plain tensor as is the writer
@@ -27,6 +28,7 @@ The results are bit-identical to the unsharded tensor: bytes are copied, never c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +37,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 __all__ = ["all_gather_rows", "all_gather_rows_autograd", "dim0_counts", "full_tensor", "gather_rows",
-           "row_counts"]
+           "row_counts", "scatter_rows"]
 
 
 def dim0_counts(n: int, world: int) -> list[int]:
@@ -114,6 +116,52 @@ def gather_rows(t: Tensor, counts: Sequence[int], dst: int, group=None) -> Tenso
     if rank != dst:
         return None
     return _from_bytes(torch.cat([p[:n] for p, n in zip(parts, counts)]), t.dtype)
+
+
+def scatter_rows(ts: Sequence[Tensor] | None, counts: Sequence[Sequence[int]], src: int,
+                 specs: Sequence[tuple[torch.dtype, tuple[int, ...]]], group=None,
+                 device: torch.device | str = "cpu") -> list[Tensor]:
+    """The inverse of :func:`gather_rows` for several tensors in one collective: ``src`` holds whole
+    tensors ``ts[k] [sum(counts[k]), *specs[k][1]]`` of dtype ``specs[k][0]`` (the other ranks pass
+    None); every rank gets its own rows ``[counts[k][rank], *specs[k][1]]`` of each, new tensors.
+
+    Every rank must know the specs (dtype and row shape of each tensor): the bytes of rank r's rows
+    of every tensor travel as one padded buffer.  ``src`` is a global rank, as ``gather_rows``'s
+    ``dst``; ``device``: where the buffers live on ranks that hold no tensor (the backend's device).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    itemsize = [torch.empty((), dtype=dt).element_size() for dt, _ in specs]
+    row_bytes = [sz * math.prod(shape) for sz, (_, shape) in zip(itemsize, specs)]
+    if len(counts) != len(specs) or any(len(c) != world for c in counts):
+        raise ValueError(f"scatter_rows: {len(specs)} specs, counts {[list(c) for c in counts]} for {world} ranks")
+    per_rank = [sum(c[r] * rb for c, rb in zip(counts, row_bytes)) for r in range(world)]
+    pad = max(per_rank)
+    if ts is not None:
+        device = ts[0].device if ts else device
+    recv = torch.empty(pad, dtype=torch.uint8, device=device)
+    parts = None
+    if rank == src:
+        if ts is None or len(ts) != len(specs):
+            raise ValueError("scatter_rows: the source rank must pass one tensor per spec")
+        parts = []
+        starts = [0] * len(ts)
+        for r in range(world):
+            buf = torch.zeros(pad, dtype=torch.uint8, device=device)
+            at = 0
+            for k, t in enumerate(ts):
+                n = counts[k][r]
+                b = _as_bytes(t[starts[k]:starts[k] + n]).reshape(-1)
+                buf[at:at + b.numel()].copy_(b)
+                at += b.numel()
+                starts[k] += n
+            parts.append(buf)
+    dist.scatter(recv, parts, src=src, group=group)
+    out, at = [], 0
+    for c, rb, (dt, shape), sz in zip(counts, row_bytes, specs, itemsize):
+        n = c[rank] * rb
+        out.append(_from_bytes(recv[at:at + n].clone().view(c[rank], *shape, sz), dt))  # own, aligned storage
+        at += n
+    return out
 
 
 def all_gather_rows(t: Tensor, counts: Sequence[int] | None = None, *, dim: int = 0, group=None) -> Tensor:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from sq.anatomy import decoder_blocks, is_experts_module
 from sq.errors import SqError
+from sq.parallel.collectives import dim0_counts, gather_rows, scatter_rows
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
 from sq.quant.experts import ExpertCalibration, local_experts
 from sq.quant.forward import block_forward
@@ -115,13 +116,16 @@ class GPTQAlgorithm(Algorithm):
     def solve_linears(self, work: BlockWork, items) -> list[Solved]:
         """Linears that share a Hessian (q/k/v, gate/up) and a scheme are solved as one stack of rows:
         GPTQ's rows are independent given the Hessian, so this is each one's own solve (same bits,
-        tests/test_quant_gptq.py) with one column loop instead of one per Linear."""
+        tests/test_quant_gptq.py) with one column loop instead of one per Linear.  On more than one
+        rank each stack is solved whole by one rank (``_solve_owned``)."""
         counting = work.state["counting"]
+        owned = work.world > 1
         out: list[Solved | None] = [None] * len(items)
         stacks: list[tuple[GPTQ, list[int]]] = []
         for i, (lin, w) in enumerate(items):
             g = counting.get(lin.name)
-            if g is None or not w.shape[0]:
+            # whether rows exist: the Linear's (the same on every rank) when ranks solve for each other
+            if g is None or not (lin.module.out_features if owned else w.shape[0]):
                 out[i] = self.solve(work, lin, w)
                 continue
             for g2, idx in stacks:
@@ -132,20 +136,86 @@ class GPTQAlgorithm(Algorithm):
                     break
             else:
                 stacks.append((g, [i]))
+        if owned:
+            return self._solve_owned(work, items, stacks, out)
         for g, idx in stacks:
-            if len(idx) == 1:
-                out[idx[0]] = self.solve(work, *items[idx[0]])
+            for i, s in zip(idx, self._solve_stack(work, g, [items[i][0] for i in idx], [items[i][1] for i in idx])):
+                out[i] = s
+        return out
+
+    def _solve_stack(self, work: BlockWork, g: GPTQ, lins, ws) -> list[Solved]:
+        """One column loop for the rows ``ws`` (one tensor per Linear of ``lins``, all under ``g``)."""
+        if len(lins) == 1:
+            s = self._rows(g, ws[0], lins[0].scheme, lins[0].name, work.stats.get(lins[0].name))
+            s.H = g.H
+            return [s]
+        heights = [w.shape[0] for w in ws]
+        solved = self._rows(g, torch.cat(ws), lins[0].scheme, " + ".join(l.name for l in lins),
+                            work.stats.get(lins[0].name))
+        # own storage per Linear (safetensors refuses tensors that share memory in one file)
+        parts = [[p.clone() for p in t.split(heights)] if t is not None else [None] * len(lins)
+                 for t in (solved.q, solved.scale, solved.zero_point)] + [solved.deq.split(heights)]
+        gs = solved.global_scale
+        return [Solved(q, sc, z, d, H=g.H, global_scale=None if gs is None else gs.clone())
+                for q, sc, z, d in zip(*parts)]
+
+    def _solve_owned(self, work: BlockWork, items, stacks, out) -> list[Solved]:
+        """Each stack solved whole by one rank, instead of every stack by every rank over its rows.
+
+        A solve's cost hardly depends on its rows: the damped inverse factor is ``in^3`` and the
+        column loop is ``in`` Python-bound steps, both the same for 1 row or 3072.  Split by rows,
+        every rank paid all of them (on SmolLM2, 3264 column steps and four factorizations per
+        block and rank); split by stacks, each rank pays for its own (``_owners``: largest first
+        onto the least loaded rank, from shapes alone, so every rank computes the same plan).
+        Three collective stages: every stack's rows gathered onto its solver; one exchange of
+        what each solver made (the layouts, or the error that stopped it: then every rank
+        raises); each solver's results scattered back as every rank's own rows, which the
+        pipeline then treats as before.  The rows of a stack are the ones a single rank would
+        solve, so the result is the world-size-1 solve of the same Hessian."""
+        rank, world = work.rank, work.world
+        counts = {i: dim0_counts(items[i][0].module.out_features, world) for _, idx in stacks for i in idx}
+        owners = _owners([_solve_cost(g.in_features, sum(items[i][0].module.out_features for i in idx))
+                          for g, idx in stacks], world)
+        full = {}
+        for (g, idx), o in zip(stacks, owners):
+            for i in idx:
+                full[i] = gather_rows(items[i][1], counts[i], o)
+        mine: dict[int, Solved] = {}
+        failure = None
+        for (g, idx), o in zip(stacks, owners):
+            if o != rank:
                 continue
-            lins = [items[i][0] for i in idx]
-            heights = [items[i][1].shape[0] for i in idx]
-            solved = self._rows(g, torch.cat([items[i][1] for i in idx]), lins[0].scheme,
-                                " + ".join(l.name for l in lins), work.stats.get(lins[0].name))
-            # own storage per Linear (safetensors refuses tensors that share memory in one file)
-            parts = [[p.clone() for p in t.split(heights)] if t is not None else [None] * len(idx)
-                     for t in (solved.q, solved.scale, solved.zero_point)] + [solved.deq.split(heights)]
-            for i, q, sc, z, d in zip(idx, *parts):
-                gs = solved.global_scale
-                out[i] = Solved(q, sc, z, d, H=g.H, global_scale=None if gs is None else gs.clone())
+            try:
+                mine.update(zip(idx, self._solve_stack(work, g, [items[i][0] for i in idx], [full[i] for i in idx])))
+            except Exception as e:  # every rank must learn of it, or the others wait in the scatter
+                failure = e
+                break
+        full.clear()
+        every: list = [None] * world
+        dist.all_gather_object(every, _failure_text(failure) if failure is not None
+                               else {i: _layout(s) for i, s in mine.items()})
+        failed = [(r, m) for r, m in enumerate(every) if isinstance(m, str)]
+        if failed:
+            if failure is not None:
+                raise failure
+            raise SqError([f"rank {r} (solving GPTQ for the other ranks): {m}" for r, m in failed])
+        for (g, idx), o in zip(stacks, owners):
+            layouts = every[o]
+            ts, cnts, specs = [], [], []
+            for i in idx:
+                for k, (dtype, shape, whole) in enumerate(layouts[i]):
+                    if dtype is None:
+                        continue
+                    cnts.append([1] * world if whole else counts[i])
+                    specs.append((dtype, shape))
+                    if o == rank:
+                        t = _fields(mine[i])[k]
+                        ts.append(t.unsqueeze(0).expand(world, *t.shape) if whole else t)
+            got = iter(scatter_rows(ts if o == rank else None, cnts, o, specs, device=work.device))
+            for i in idx:
+                f = [None if dtype is None else (next(got)[0] if whole else next(got))
+                     for dtype, _, whole in layouts[i]]
+                out[i] = Solved(f[0], f[1], f[2], f[3], H=g.H, global_scale=f[4])
         return out
 
     @staticmethod
@@ -215,3 +285,38 @@ def _same_stats(scheme, a, b) -> bool:
     if not a or not b:
         return not a and not b
     return all(k in a and k in b and torch.equal(a[k], b[k]) for k in need)
+
+
+def _fields(s: Solved) -> tuple:
+    """A solve's tensors in the order ``_layout`` describes them."""
+    return s.q, s.scale, s.zero_point, s.deq, s.global_scale
+
+
+def _layout(s: Solved) -> list[tuple]:
+    """``(dtype, shape of a row, whole)`` of each of a solve's tensors (dtype None: absent): the rest
+    of the ranks learn the layouts from the solver before it scatters the rows.  ``whole``: the
+    same tensor for every rank (the global scale), not rows."""
+    return [(None, (), False) if t is None else (t.dtype, tuple(t.shape) if k == 4 else tuple(t.shape[1:]), k == 4)
+            for k, t in enumerate(_fields(s))]
+
+
+def _failure_text(e: BaseException) -> str:
+    return "\n".join(e.problems) if isinstance(e, SqError) else f"{type(e).__name__}: {e}"
+
+
+def _solve_cost(cols: int, rows: int) -> float:
+    """A GPTQ solve's seconds on one CPU thread, roughly: the damped inverse factor (~cols^3), the
+    column loop's Python-bound steps (~cols) and its updates (~rows * cols^2); measured on SmolLM2's
+    shapes (1536 wide: 0.08 + 0.07 + 0.03 s).  Only its ratios matter (``_owners``)."""
+    return 2.3e-11 * cols**3 + 4.5e-5 * cols + 2e-11 * rows * cols**2
+
+
+def _owners(costs: list[float], world: int) -> list[int]:
+    """A rank for each job: largest first onto the least loaded rank (the lowest on ties)."""
+    load = [0.0] * world
+    owners = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: -costs[k]):
+        r = min(range(world), key=lambda r: load[r])
+        owners[k] = r
+        load[r] += costs[k]
+    return owners
