@@ -52,6 +52,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +69,48 @@ __all__ = ["GPTQ", "GPTQConfig", "GPTQResult"]
 
 logger = logging.getLogger(__name__)
 
+def _cpu_bf32() -> bool:
+    """Whether this torch and CPU run float32 matmuls in oneDNN's bf16 mode (AMX / AVX512-BF16)."""
+    global _BF32
+    if _BF32 is None:
+        mm = getattr(torch.backends.mkldnn, "matmul", None)
+        try:
+            _BF32 = bool(mm is not None and hasattr(mm, "fp32_precision") and torch.backends.mkldnn.is_available()
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            _BF32 = False
+    return _BF32
+
+
+_BF32: bool | None = None
+
+
+@contextmanager
+def _bf16_operands(on: bool):
+    """Float32 CPU matmuls computed by oneDNN from bf16 operands with float32 accumulation and a float32
+    result ("bf32"), for operands whose values are bf16 already: rounding them to bf16 is exact, so the
+    product is the float32 one up to summation order, 2.0-2.4x faster with AMX (one thread, 16 x 512
+    tokens: 0.186 -> 0.079 s at 1536 wide, 0.029 -> 0.015 s at 576).  A process-wide torch setting,
+    restored on exit; off where the CPU or torch lacks it."""
+    if not (on and _cpu_bf32()):
+        yield
+        return
+    mm = torch.backends.mkldnn.matmul
+    before = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mm.fp32_precision = before
+
+
 # add_batch's row band for the upper block triangle of x^T x, measured on one CPU thread for
 # 16 samples x 512 tokens: 0.17 s vs 0.31 s the full products at 1536 wide, 0.024 vs 0.037 s at 576
 # (bands of 64-256 within 5% of each other)
 _SYM_BAND = 128
+# the column sweep's inner block: each column's error is pushed onto the later columns of its
+# sub-block one by one, onto the rest of the lazy-update block once per sub-block
+_SUB_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -200,17 +239,19 @@ class GPTQ:
             # [samples, tokens, in]: each sample's x^T x in float32 (2-5x faster than float64 on CPU),
             # summed in float64.  A sample's product does not depend on which rank or batch holds it,
             # so the sum over ranks is the single-process sum up to float64 rounding, as before.
-            # (Products in bfloat16 with AMX were 3x faster, but rounding each sample's x^T x to
-            # bf16 left some Hessians indefinite: SmolLM2's layer 0 and 15 o_proj needed 10x the
-            # dampening.)  x^T x is symmetric: only its upper block triangle is computed, in row
+            # Inputs in bf16 (the forwards' dtype on a CPU with AMX) multiply as bf16 operands with
+            # float32 sums and results (_bf16_operands: exact, 2x faster).  (bf16 *results* were
+            # tried and dropped: rounding each sample's x^T x to bf16 left some Hessians indefinite;
+            # SmolLM2's layer 0 and 15 o_proj needed 10x the dampening.)  x^T x is symmetric: only its upper block triangle is computed, in row
             # bands of _SYM_BAND (an entry is the same float32 dot product over the sample's tokens
             # either way); the lower triangle is mirrored from it when H is next read.
             H, n, band = self._H, self.in_features, _SYM_BAND
-            for sample in x.reshape(x.shape[0], -1, n):
-                xs = sample.to(device=H.device, dtype=torch.float32)
-                for a in range(0, n, band):
-                    H[a : a + band, a:].add_(xs[:, a : a + band].T @ xs[:, a:])
-                self.nsamples += xs.shape[0]
+            with _bf16_operands(x.dtype == torch.bfloat16 and H.device.type == "cpu"):
+                for sample in x.reshape(x.shape[0], -1, n):
+                    xs = sample.to(device=H.device, dtype=torch.float32)
+                    for a in range(0, n, band):
+                        H[a : a + band, a:].add_(xs[:, a : a + band].T @ xs[:, a:])
+                    self.nsamples += xs.shape[0]
             self._upper = self._upper or n > band
             return
         H = self.H  # complete (mirrored) before a full update
@@ -267,11 +308,12 @@ class GPTQ:
         diag[dead] = 1
         perm = torch.argsort(diag, descending=True, stable=True) if cfg.actorder else None
         rev = (perm if perm is not None else torch.arange(diag.numel(), device=dev)).flip(0)
-        Hf = H[rev[:, None], rev].mul_(c)  # J P^T (2/n H) P J: the sweep order, reversed
+        Hf = H.index_select(0, rev).index_select(1, rev).mul_(c)  # J P^T (2/n H) P J: the sweep order, reversed
         Hf.diagonal()[dead[rev]] = 1
         mean_diag = float(torch.mean(diag if perm is None else diag[perm]))
         Hinv, damp, retries = _inverse_cholesky(Hf, mean_diag, cfg, name)
-        self._prepared = _Prepared(key, dead, int(dead.sum()), H, c, perm, Hinv, damp, retries)
+        self._prepared = _Prepared(key, dead, int(dead.sum()), H, c, perm, Hinv, damp, retries,
+                                   Hinv / Hinv.diagonal()[:, None])
         return self._prepared
 
     @torch.no_grad()
@@ -348,6 +390,8 @@ class GPTQ:
         bs = cfg.blocksize
         if not fixed and bs % scheme.group_size:
             bs = max(scheme.group_size, bs - bs % scheme.group_size)
+        # sub-blocks likewise: a group starting mid-block starts a sub-block
+        sub = _SUB_BLOCK if fixed else math.gcd(_SUB_BLOCK, scheme.group_size)
 
         # The sweep works on transposed copies so that a column of W is a contiguous row
         # in memory: Wt [cols, rows], Qt [cols, rows].
@@ -360,64 +404,20 @@ class GPTQ:
             scale_t = scale_t / gs_rows
         zp_t = None if zp is None else zp.T.to(torch.float32).contiguous()
         losses = torch.zeros(rows, dtype=torch.float32, device=dev)
-        s_rows = scale_t.unbind(0)  # views: the mid-sweep scales below write through them
-        z_rows = None if zp_t is None else zp_t.unbind(0)
         int_codes = spec.qtype.kind == "int" and Qt.dtype == torch.int8
-        qmin, qmax = spec.qtype.qmin, spec.qtype.qmax
+        sweep = _Sweep(scheme, segs, group_spec, wdtype, fixed, group_of, scale, zp, scale_t, zp_t, gs_rows, sub,
+                       int_codes, spec.qtype.qmin, spec.qtype.qmax)
+        # The error pushed onto later columns is (w - dq) / Hinv_jj times Hinv's row j: the rows are
+        # divided by their diagonal once (Hs), so a column's error is w - dq alone
+        Hs = prep.Hs
+        qf = torch.empty(min(bs, cols), rows, dtype=torch.float32, device=dev) if int_codes else None
         for i1 in range(0, cols, bs):
             i2 = min(i1 + bs, cols)
-            count = i2 - i1
-            W1 = Wt[i1:i2]  # view [count, rows], updated in place
-            Err1 = torch.empty_like(W1)
-            Hinv1 = Hinv[i1:i2, i1:i2]
-            diag1 = torch.diag(Hinv1).tolist()
-            # every per-column view made at once: indexing a tensor per column cost as much as the
-            # column's maths (Python overhead dominates the sweep on CPU)
-            w_rows, e_rows, q_rows = W1.unbind(0), Err1.unbind(0), Qt[i1:i2].unbind(0)
-            e_mats = Err1.unsqueeze(1).unbind(0)  # [1, rows]
-            h_cols = Hinv1.unsqueeze(2).unbind(0)  # [count, 1]: Hinv1's row i, zero left of i
-            for i in range(count):
-                j = i1 + i
-                g = group_of[j]
-                if not fixed and j % scheme.group_size == 0:
-                    # compressed-tensors' scales of this group's current (error-updated)
-                    # weights: [group, rows] -> [rows, 1]
-                    s, z = _qparams(W1[i : i + scheme.group_size].to(wdtype).T.contiguous(), group_spec, segs)
-                    scale[:, g : g + 1] = s
-                    scale_t[g] = s[:, 0] if gs_rows is None else s[:, 0].to(torch.float32) / gs_rows
-                    if zp is not None:
-                        zp[:, g : g + 1] = z
-                        zp_t[g] = z[:, 0]
-                s32 = s_rows[g]
-                z32 = None if z_rows is None else z_rows[g]
-                w_col = w_rows[i]
-                # float32 copies of the scale give the same bits as the stored dtype: the
-                # library promotes it to float32 for this division anyway (NVFP4: scale /
-                # global scale, which the library computes in float32 first, is s32)
-                if int_codes:
-                    dq = _int_qdq(w_col, s32, z32, q_rows[i], qmin, qmax)
-                else:
-                    q = rtn.quantize_values(w_col, s32, z32, scheme)
-                    q_rows[i].copy_(q)
-                    dq = rtn.dequantize_values(q, s32, z32)
-                # (q - zp) * scale is exact in float32; one rounding to the weight dtype
-                # then equals the loader's own dequantization in that dtype (the subtraction
-                # promotes it back to float32 exactly)
-                if wdtype != torch.float32:
-                    dq = dq.to(wdtype)
-                err = e_rows[i]
-                torch.sub(w_col, dq, out=err)
-                err.div_(diag1[i])
-                # push the error onto this block's later columns (rank-1; the earlier rows get
-                # 0 * err, and row i itself, already quantized, is not read again).  addmm_ with
-                # an inner dim of 1 is BLAS (addr_ is far slower on CPU); the whole block avoids a
-                # slice per column
-                if i + 1 < count:
-                    W1.addmm_(h_cols[i], e_mats[i], alpha=-1)
-            losses += (Err1 * Err1).sum(dim=0) / 2
+            Err1 = _sweep_block(sweep, Wt[i1:i2], Qt[i1:i2], Hs[i1:i2, i1:i2], i1, qf)
+            losses += (Err1 / torch.diag(Hinv[i1:i2, i1:i2])[:, None]).square_().sum(dim=0) / 2
             # lazy batch update of every column after the block
             if i2 < cols:
-                Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
+                Wt[i2:].addmm_(Hs[i1:i2, i2:].T, Err1, alpha=-1)
         del Wt
         Q = Qt.T.contiguous()
         del Qt
@@ -454,6 +454,96 @@ class GPTQ:
         )
 
 
+@dataclass
+class _Sweep:
+    """One solve's quantizer for the column sweep (``_sweep_block``): the scales, fixed up front or
+    set per group as the sweep reaches it, and the per-group float32 rows it reads them through."""
+
+    scheme: QuantScheme
+    segs: list
+    group_spec: primitives.QuantSpec  # the scheme's spec with one group per row
+    wdtype: torch.dtype
+    fixed: bool  # scales fixed up front (channel, act-order, static groups)
+    group_of: list[int]  # column j (in sweep order) uses scale column group_of[j]
+    scale: Tensor  # [rows, n_groups], the stored scales
+    zp: Tensor | None
+    scale_t: Tensor  # [n_groups, rows] float32 (divided by the global scale, NVFP4)
+    zp_t: Tensor | None
+    gs_rows: Tensor | None  # each row's global scale (NVFP4)
+    sub: int  # the sub-block (see _SUB_BLOCK)
+    int_codes: bool  # int8 codes: quantized and dequantized in place (_int_qdq)
+    qmin: float
+    qmax: float
+
+    def __post_init__(self) -> None:
+        self.s_rows = self.scale_t.unbind(0)  # views: the mid-sweep scales write through them
+        self.z_rows = None if self.zp_t is None else self.zp_t.unbind(0)
+
+
+def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: Tensor, i1: int, qf: Tensor | None) -> Tensor:
+    """Quantize the columns ``W1 [count, rows]`` (transposed: a column is a contiguous row; updated in
+    place) into ``Q1``, each column's error pushed onto the block's later columns; returns the errors
+    ``w - dq`` ``[count, rows]``.  ``Hs1``: the block of ``Hinv``'s rows over their diagonal; ``i1``:
+    the block's first column in sweep order; ``qf``: float32 scratch for int codes."""
+    count = W1.shape[0]
+    scheme, wdtype, sub = sw.scheme, sw.wdtype, sw.sub
+    Err1 = torch.empty_like(W1)
+    # every per-column view made at once: indexing a tensor per column cost as much as the
+    # column's maths (Python overhead dominates the sweep on CPU)
+    w_rows, e_rows, q_rows = W1.unbind(0), Err1.unbind(0), Q1.unbind(0)
+    qf_rows = qf[:count].unbind(0) if sw.int_codes else None  # the codes, in float32
+    e_mats = Err1.unsqueeze(1).unbind(0)  # [1, rows]
+    # each column's error goes onto the later columns of its sub-block at once (one rank-1
+    # product per column over sub rows, not over the block's), onto the rest of the block by
+    # one product per sub-block: the block's lazy update, one level down
+    w_subs = [W1[a : a + sub] for a in range(0, count, sub)]
+    h_cols = [Hs1[i, a : a + sub].unsqueeze(1) for a in range(0, count, sub)
+              for i in range(a, min(a + sub, count))]  # [sub, 1]: row i within its sub-block
+    for i in range(count):
+        j = i1 + i
+        g = sw.group_of[j]
+        if not sw.fixed and j % scheme.group_size == 0:
+            # compressed-tensors' scales of this group's current (error-updated)
+            # weights: [group, rows] -> [rows, 1]
+            s, z = _qparams(W1[i : i + scheme.group_size].to(wdtype).T.contiguous(), sw.group_spec, sw.segs)
+            sw.scale[:, g : g + 1] = s
+            sw.scale_t[g] = s[:, 0] if sw.gs_rows is None else s[:, 0].to(torch.float32) / sw.gs_rows
+            if sw.zp is not None:
+                sw.zp[:, g : g + 1] = z
+                sw.zp_t[g] = z[:, 0]
+        s32 = sw.s_rows[g]
+        z32 = None if sw.z_rows is None else sw.z_rows[g]
+        w_col = w_rows[i]
+        # float32 copies of the scale give the same bits as the stored dtype: the
+        # library promotes it to float32 for this division anyway (NVFP4: scale /
+        # global scale, which the library computes in float32 first, is s32)
+        if sw.int_codes:
+            dq = _int_qdq(w_col, s32, z32, qf_rows[i], sw.qmin, sw.qmax)
+        else:
+            q = rtn.quantize_values(w_col, s32, z32, scheme)
+            q_rows[i].copy_(q)
+            dq = rtn.dequantize_values(q, s32, z32)
+        # (q - zp) * scale is exact in float32; one rounding to the weight dtype
+        # then equals the loader's own dequantization in that dtype (the subtraction
+        # promotes it back to float32 exactly)
+        if wdtype != torch.float32:
+            dq = dq.to(wdtype)
+        torch.sub(w_col, dq, out=e_rows[i])
+        # push the error onto this sub-block's later columns (rank-1; the earlier rows get
+        # 0 * err, and row i itself, already quantized, is not read again).  addmm_ with
+        # an inner dim of 1 is BLAS (addr_ is far slower on CPU); the whole sub-block
+        # avoids a slice per column
+        k = i // sub
+        if i + 1 < min(k * sub + sub, count):
+            w_subs[k].addmm_(h_cols[i], e_mats[i], alpha=-1)
+        elif k * sub + sub < count:  # the sub-block done: its errors onto the block's later columns
+            a = k * sub
+            W1[a + sub :].addmm_(Hs1[a : a + sub, a + sub :].T, Err1[a : a + sub], alpha=-1)
+    if sw.int_codes:
+        Q1.copy_(qf[:count])  # integral values: the int8 cast is exact
+    return Err1
+
+
 def _group_of(scheme: QuantScheme, cols: int, perm: Tensor | None) -> list[int]:
     """The scale column of each column in sweep order (act-order permutes them)."""
     if scheme.strategy == "channel":
@@ -463,17 +553,16 @@ def _group_of(scheme: QuantScheme, cols: int, perm: Tensor | None) -> list[int]:
 
 
 def _int_qdq(w_col: Tensor, s32: Tensor, z32: Tensor | None, q_row: Tensor, qmin: int, qmax: int) -> Tensor:
-    """``primitives.quantize_values`` then ``dequantize_values`` of one column for an int type, in
-    place on one temporary (the same operations in the same order: the same bits); the codes go to
-    ``q_row`` (integral values: the int8 cast is exact).  Returns ``(q - zp) * scale`` in float32."""
-    dq = w_col / s32
+    """``primitives.quantize_values`` then ``dequantize_values`` of one column for an int type (the
+    same operations in the same order: the same bits): the codes are made in ``q_row`` (float32)
+    and ``(q - zp) * scale`` is returned, in float32."""
+    torch.div(w_col, s32, out=q_row)
     if z32 is not None:
-        dq.add_(z32)
-    dq.clamp_(qmin, qmax).round_()
-    q_row.copy_(dq)
+        q_row.add_(z32)
+    q_row.clamp_(qmin, qmax).round_()
     if z32 is not None:
-        dq.sub_(z32)
-    return dq.mul_(s32)
+        return (q_row - z32).mul_(s32)
+    return q_row * s32
 
 
 @dataclass
@@ -489,6 +578,7 @@ class _Prepared:
     Hinv: Tensor  # upper factor of the damped inverse, in sweep order, float32
     damp: float
     retries: int
+    Hs: Tensor  # Hinv's rows divided by their diagonal entry (what a column's error is pushed with)
 
     def h_err(self) -> Tensor:
         """The undamped, dead-fixed, unpermuted normalized Hessian in float32."""
@@ -563,7 +653,8 @@ def _inverse_cholesky(Hf: Tensor, mean_diag: float, cfg: GPTQConfig, name: str) 
 
     Computed without forming the inverse: with ``J`` the index reversal and ``J H J = L L^T``,
     ``U = J L^-1 J`` (one Cholesky and one triangular inverse instead of the reference's Cholesky,
-    ``cholesky_inverse``, Cholesky).  In float32 first (the sweep uses ``U`` in float32 either way;
+    ``cholesky_inverse``, Cholesky).  In float32 first, both at once by halves at GEMM speed
+    (``_cholesky_lower_inverse``; the sweep uses ``U`` in float32 either way;
     on SmolLM2's real Hessians, condition numbers 5e3-1e5, float32's ``U`` is within 1e-5 relative
     of float64's and gives the same codes but for 0.06% of one layer's), accepted only if
     ``U^T U (H + damp I) v = v`` for a random ``v`` within ``_F32_RESIDUAL`` (1e-5 to 6e-5 on those
@@ -581,11 +672,9 @@ def _inverse_cholesky(Hf: Tensor, mean_diag: float, cfg: GPTQConfig, name: str) 
         torch.add(undamped, damp, out=diag)
         U = None
         Hf32.diagonal().copy_(diag)
-        L, info = torch.linalg.cholesky_ex(Hf32)
-        if int(info) == 0:
-            Linv = _lower_inverse(L)
-            if rtn.all_finite(Linv) and _inverse_residual(Hf, Linv) < _F32_RESIDUAL:
-                U = Linv.flip(0, 1)
+        Linv = _cholesky_lower_inverse(Hf32)
+        if Linv is not None and rtn.all_finite(Linv) and _inverse_residual(Hf, Linv) < _F32_RESIDUAL:
+            U = Linv.flip(0, 1)
         if U is None:  # float64, as a failure there decides
             L, info = torch.linalg.cholesky_ex(Hf)
             if int(info) != 0:
@@ -625,6 +714,37 @@ def _inverse_residual(Hf: Tensor, Linv: Tensor) -> float:
     y = Linv.T @ (Linv @ v.to(Linv.dtype))
     r = Hf @ y.to(torch.float64) - v
     return float(r.norm() / v.norm())
+
+
+def _cholesky_lower_inverse(A: Tensor, leaf: int = 256) -> Tensor | None:
+    """``L^-1`` for ``A = L L^T`` (symmetric positive definite), None if a pivot fails; ``L`` itself is
+    never kept.  By halves, as ``_lower_inverse``: with ``A = [[A11, .], [A21, A22]]``,
+    ``L21 = A21 L11^-T``, the Schur complement ``S = A22 - L21 L21^T = L22 L22^T``, and
+    ``L^-1 = [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]]``: matrix products but for the leaves'
+    factorizations, so it runs at GEMM speed (1536 wide, float32, one CPU thread: 36 ms against
+    62 ms for ``cholesky_ex`` then ``_lower_inverse``; the same accuracy on SmolLM2-like Hessians,
+    ~1e-7 relative to float64's).  Products with an inverse instead of triangular solves are the
+    less stable choice for a badly conditioned ``A``: the caller's residual check decides."""
+    n = A.shape[0]
+    if n <= leaf:
+        L, info = torch.linalg.cholesky_ex(A)
+        if int(info):
+            return None
+        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False)
+    m = n // 2
+    i11 = _cholesky_lower_inverse(A[:m, :m], leaf)
+    if i11 is None:
+        return None
+    l21 = A[m:, :m] @ i11.T
+    i22 = _cholesky_lower_inverse(torch.addmm(A[m:, m:], l21, l21.T, alpha=-1), leaf)
+    if i22 is None:
+        return None
+    out = A.new_zeros(n, n)
+    out[:m, :m] = i11
+    out[m:, m:] = i22
+    torch.mm(i22, l21 @ i11, out=out[m:, :m])
+    out[m:, :m].neg_()
+    return out
 
 
 def _lower_inverse(L: Tensor, leaf: int = 256) -> Tensor:
