@@ -85,13 +85,17 @@ def main_dtype(module: nn.Module, ignored=()) -> torch.dtype | None:
 class unsharded:
     """Keep ``block``'s FSDP2 units (the block and any sub-unit) unsharded across forwards and backwards.
 
-    SignRound runs a block's forward and backward many times per block; resharding after each
-    would all-gather the block's weights again every step.  Each unit's own resharding settings
-    (a training framework's choice, under ``sq.quantize``) are read before and put back after.
+    SignRound runs a block's forward and backward many times per block, and every calibration
+    forward runs its batches one after the other; resharding after each would all-gather the
+    block's weights again every step.  Each unit's own resharding settings (a training
+    framework's choice, under ``sq.quantize``) are read before and put back after.  Nested use is
+    fine: a unit an enclosing ``unsharded`` holds is left to it.
     """
 
+    _held: set[int] = set()  # ids of the units an open ``unsharded`` keeps gathered
+
     def __init__(self, block: nn.Module):
-        self.units = [m for m in block.modules() if isinstance(m, FSDPModule)]
+        self.units = [m for m in block.modules() if isinstance(m, FSDPModule) and id(m) not in unsharded._held]
 
     @staticmethod
     def _settings(m) -> tuple[bool, bool]:
@@ -104,6 +108,7 @@ class unsharded:
     def __enter__(self):
         self.saved = [self._settings(m) for m in self.units]
         for m in self.units:
+            unsharded._held.add(id(m))
             m.set_reshard_after_forward(False, recurse=False)
             m.set_reshard_after_backward(False, recurse=False)
             m.unshard()
@@ -111,6 +116,7 @@ class unsharded:
 
     def __exit__(self, *exc):
         for m, (fwd, bwd) in zip(self.units, self.saved):
+            unsharded._held.discard(id(m))
             m.set_reshard_after_forward(fwd, recurse=False)
             m.set_reshard_after_backward(bwd, recurse=False)
             m.reshard()

@@ -43,7 +43,7 @@ from sq.export.compressed import compress_weight, quantization_config
 from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, shard_name, written_by_sq
 from sq.load.fill import local_box
 from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups
-from sq.memory import peak_rss_bytes, rss_breakdown, trim_heap
+from sq.memory import HeapTrim, peak_rss_bytes, rss_breakdown
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
 from sq.quant import formats, rtn
@@ -378,6 +378,7 @@ class _Pipeline:
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
         self.files = _Files()
+        self.trim = HeapTrim()  # the C heap's free pages back to the OS, when they add up
         # resume bookkeeping seconds by block (checksums, chain cache, manifest), spent in the background
         self.book_s: dict[int, float] = {}
 
@@ -682,7 +683,7 @@ class _Pipeline:
 
         wait = self.files.submit(files)
         self.weights.free(names)
-        trim_heap()
+        self.trim()
         return wait
 
     def _ckpt_module(self, name: str) -> str:
