@@ -58,10 +58,9 @@ def _solve(rank: int, world: int, scheme: str, nan: bool = False):
         items.append((lin, lin.module.weight.detach()[lo:lo + counts[rank]].clone()))
     algo = GPTQAlgorithm(GPTQConfig(actorder=True))
     try:
-        out = algo.solve_linears(work, items)
+        return algo.solve_linears(work, items)
     except SqError as e:
         return ("SqError", e.problems)
-    return [(s.q, s.scale, s.zero_point, s.deq, s.global_scale) for s in out]
 
 
 def _rows(t, counts, rank):
@@ -69,9 +68,15 @@ def _rows(t, counts, rank):
     return t[lo:lo + counts[rank]]
 
 
-def _compare(rank: int, world: int, scheme: str) -> list[str]:
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b))
+
+
+def _compare(rank: int, world: int, scheme: str):
     """This rank's owned results against the one-rank solve of the whole weights, computed here
-    too (world 1 runs no collective); the differences, by name (tensors stay in the rank)."""
+    too (world 1 runs no collective): every rank's dequantized rows, and the writer's whole codes,
+    scales and global scale.  Returns the differences by name, each Linear's writer and the rows
+    of every solve this rank ran (tensors stay in the rank)."""
     calls = []
     orig = GPTQ.quantize
 
@@ -86,28 +91,31 @@ def _compare(rank: int, world: int, scheme: str) -> list[str]:
         GPTQ.quantize = orig
     one = _solve(0, 1, scheme)
     lins, _ = _job(scheme)
-    bad = []
+    bad, writers = [], []
     for lin, g, ref in zip(lins, got, one):
         counts = dim0_counts(lin.module.out_features, world)
-        for k, (a, b) in enumerate(zip(g, ref)):
-            if b is None:
-                ok = a is None
-            elif k == 4:  # the global scale: whole on every rank
-                ok = torch.equal(a, b)
-            else:
-                ok = a.dtype == b.dtype and torch.equal(a, _rows(b, counts, rank))
-            if not ok:
-                bad.append(f"{lin.name} field {k}")
-    return bad, sorted(calls)
+        writers.append(g.writer)
+        if not _same(g.deq, _rows(ref.deq, counts, rank)):
+            bad.append(f"{lin.name} deq")
+        if rank == g.writer:
+            for k, (a, b) in enumerate(zip((*g.whole, g.global_scale), (ref.q, ref.scale, ref.zero_point,
+                                                                          ref.global_scale))):
+                if not _same(a, b):
+                    bad.append(f"{lin.name} whole {k}")
+        elif g.q is not None or g.whole is not None:
+            bad.append(f"{lin.name}: codes away from the writer")
+    return bad, writers, sorted(calls)
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "NVFP4A16"])
 def test_owned_solves_equal_the_one_rank_solve(scheme):
     for world in (2, 3):
         every = run_ranks(_compare, world, scheme, timeout=120)
-        assert [bad for bad, _ in every] == [[]] * world
+        assert [bad for bad, _, _ in every] == [[]] * world
+        assert all(w == every[0][1] for _, w, _ in every)  # one plan on every rank
+        assert every[0][1][0] == every[0][1][1]  # q and k: one stack, one writer
         # each stack solved once, whole (q + k: 32 rows, o: 40, tiny: 1), not once per rank over its rows
-        assert sorted(n for _, calls in every for n in calls) == [1, 32, 40], every
+        assert sorted(n for _, _, calls in every for n in calls) == [1, 32, 40], every
 
 
 def test_an_owner_failure_is_raised_on_every_rank():

@@ -8,11 +8,14 @@ Why rows can be split across ranks: GPTQ quantizes column by column and pushes e
 column's error onto the later columns *of the same row* (``W[r, j:] -= err[r] *
 Hinv[i, j:] / Hinv[i, i]``).  Rows never mix, so given the full ``in x in`` Hessian
 (summed over every rank's tokens) a rank can solve its own rows alone.  Scales are
-per row too (groups run along ``in``).
+per row too (groups run along ``in``).  (The pipeline uses this to stack Linears that share a
+Hessian and experts that share one, and to solve a stack on any one rank; a solve's cost is
+mostly per column, not per row, so it no longer splits one weight's rows over ranks.)
 
 Numerics: the Hessian is accumulated in float64 -- per calibration sample ``x^T x`` in float32
-(its upper block triangle, mirrored), summed in float64 -- so a sum over ranks (which split by
-samples) does not depend on the rank count beyond float64 rounding; its damped inverse factor is
+(its upper block triangle, mirrored; bf16 inputs as bf16 operands with float32 sums), summed in
+float64 -- so a sum over ranks (which split by samples) does not depend on the rank count beyond
+float64 rounding; its damped inverse factor is
 computed in float32 when a residual check passes, else in float64 (``_inverse_cholesky``), and the
 column sweep runs in float32.  Scales are computed by the scheme's own format maths
 (:func:`sq.quant.primitives.choose_qparams` with the ``QuantSpec`` of ``formats.spec_for``) on the
@@ -673,7 +676,8 @@ def _inverse_cholesky(Hf: Tensor, mean_diag: float, cfg: GPTQConfig, name: str) 
         U = None
         Hf32.diagonal().copy_(diag)
         Linv = _cholesky_lower_inverse(Hf32)
-        if Linv is not None and rtn.all_finite(Linv) and _inverse_residual(Hf, Linv) < _F32_RESIDUAL:
+        # (a non-finite Linv gives a NaN or infinite residual, which fails the comparison)
+        if Linv is not None and _inverse_residual(Hf, Linv) < _F32_RESIDUAL:
             U = Linv.flip(0, 1)
         if U is None:  # float64, as a failure there decides
             L, info = torch.linalg.cholesky_ex(Hf)

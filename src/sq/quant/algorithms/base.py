@@ -46,12 +46,17 @@ class Solved:
     ``deq`` the dequantized rows (written back into the model: the quantized chain), ``H`` the
     matrix the error is measured through (None: weight space)."""
 
-    q: torch.Tensor
-    scale: torch.Tensor
+    q: torch.Tensor | None  # None where ``writer`` holds the whole weight's codes
+    scale: torch.Tensor | None
     zero_point: torch.Tensor | None
     deq: torch.Tensor
     H: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None  # NVFP4's per-tensor scale (the same on every rank)
+    # A weight solved whole on one rank: that rank (the same on every rank) writes it from ``whole``,
+    # its ``(q, scale, zero_point)`` for every row, which only it holds; the rest of the ranks hold
+    # their ``deq`` rows alone (q and scale None).  None: each rank holds its rows of everything.
+    writer: int | None = None
+    whole: tuple | None = None
 
 
 @dataclass

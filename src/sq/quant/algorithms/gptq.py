@@ -1,5 +1,6 @@
-"""GPTQ in the pipeline: Hessians from the block's calibration forward, all-reduced, then each
-rank solves the rows it holds (the maths: ``sq.quant.gptq``)."""
+"""GPTQ in the pipeline: Hessians from the block's calibration forward, all-reduced; the Linears
+sharing a Hessian solved as one stack, each stack whole by one rank, which writes it (experts: at
+their owner, over the rows it holds).  The maths: ``sq.quant.gptq``."""
 
 from __future__ import annotations
 
@@ -167,11 +168,11 @@ class GPTQAlgorithm(Algorithm):
         every rank paid all of them (on SmolLM2, 3264 column steps and four factorizations per
         block and rank); split by stacks, each rank pays for its own (``_owners``: largest first
         onto the least loaded rank, from shapes alone, so every rank computes the same plan).
-        Three collective stages: every stack's rows gathered onto its solver; one exchange of
-        what each solver made (the layouts, or the error that stopped it: then every rank
-        raises); each solver's results scattered back as every rank's own rows, which the
-        pipeline then treats as before.  The rows of a stack are the ones a single rank would
-        solve, so the result is the world-size-1 solve of the same Hessian."""
+        Every stack's rows are gathered onto its solver; one small all-reduce tells every rank
+        whether a solver failed (then every rank raises its message); each solver scatters the
+        dequantized rows back to the ranks holding them (the quantized chain) and writes the
+        weights itself (``Solved.writer``), so its codes and scales never travel.  The rows of a
+        stack are the ones a single rank would solve: the world-size-1 solve's bits."""
         rank, world = work.rank, work.world
         counts = {i: dim0_counts(items[i][0].module.out_features, world) for _, idx in stacks for i in idx}
         owners = _owners([_solve_cost(g.in_features, sum(items[i][0].module.out_features for i in idx))
@@ -191,31 +192,23 @@ class GPTQAlgorithm(Algorithm):
                 failure = e
                 break
         full.clear()
-        every: list = [None] * world
-        dist.all_gather_object(every, _failure_text(failure) if failure is not None
-                               else {i: _layout(s) for i, s in mine.items()})
-        failed = [(r, m) for r, m in enumerate(every) if isinstance(m, str)]
-        if failed:
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=work.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            every: list = [None] * world
+            dist.all_gather_object(every, None if failure is None else _failure_text(failure))
             if failure is not None:
                 raise failure
-            raise SqError([f"rank {r} (solving GPTQ for the other ranks): {m}" for r, m in failed])
+            raise SqError([f"rank {r} (solving GPTQ for the other ranks): {m}" for r, m in enumerate(every)
+                           if m is not None])
         for (g, idx), o in zip(stacks, owners):
-            layouts = every[o]
-            ts, cnts, specs = [], [], []
-            for i in idx:
-                for k, (dtype, shape, whole) in enumerate(layouts[i]):
-                    if dtype is None:
-                        continue
-                    cnts.append([1] * world if whole else counts[i])
-                    specs.append((dtype, shape))
-                    if o == rank:
-                        t = _fields(mine[i])[k]
-                        ts.append(t.unsqueeze(0).expand(world, *t.shape) if whole else t)
-            got = iter(scatter_rows(ts if o == rank else None, cnts, o, specs, device=work.device))
-            for i in idx:
-                f = [None if dtype is None else (next(got)[0] if whole else next(got))
-                     for dtype, _, whole in layouts[i]]
-                out[i] = Solved(f[0], f[1], f[2], f[3], H=g.H, global_scale=f[4])
+            specs = [(items[i][1].dtype, tuple(items[i][1].shape[1:])) for i in idx]
+            got = scatter_rows([mine[i].deq for i in idx] if o == rank else None, [counts[i] for i in idx], o, specs,
+                               device=work.device)
+            for i, deq in zip(idx, got):
+                s = mine.get(i)
+                out[i] = Solved(None, None, None, deq, H=g.H, global_scale=None if s is None else s.global_scale,
+                                writer=o, whole=None if s is None else (s.q, s.scale, s.zero_point))
         return out
 
     @staticmethod
@@ -285,19 +278,6 @@ def _same_stats(scheme, a, b) -> bool:
     if not a or not b:
         return not a and not b
     return all(k in a and k in b and torch.equal(a[k], b[k]) for k in need)
-
-
-def _fields(s: Solved) -> tuple:
-    """A solve's tensors in the order ``_layout`` describes them."""
-    return s.q, s.scale, s.zero_point, s.deq, s.global_scale
-
-
-def _layout(s: Solved) -> list[tuple]:
-    """``(dtype, shape of a row, whole)`` of each of a solve's tensors (dtype None: absent): the rest
-    of the ranks learn the layouts from the solver before it scatters the rows.  ``whole``: the
-    same tensor for every rank (the global scale), not rows."""
-    return [(None, (), False) if t is None else (t.dtype, tuple(t.shape) if k == 4 else tuple(t.shape[1:]), k == 4)
-            for k, t in enumerate(_fields(s))]
 
 
 def _failure_text(e: BaseException) -> str:
