@@ -474,7 +474,7 @@ class _Sweep:
     zp_t: Tensor | None
     gs_rows: Tensor | None  # each row's global scale (NVFP4)
     sub: int  # the sub-block (see _SUB_BLOCK)
-    int_codes: bool  # int8 codes: quantized and dequantized in place (_int_qdq)
+    int_codes: bool  # int8 codes: made in float32 scratch, cast once per block
     qmin: float
     qmax: float
 
@@ -500,28 +500,42 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: Tensor, i1: int, qf: T
     # product per column over sub rows, not over the block's), onto the rest of the block by
     # one product per sub-block: the block's lazy update, one level down
     w_subs = [W1[a : a + sub] for a in range(0, count, sub)]
-    h_cols = [Hs1[i, a : a + sub].unsqueeze(1) for a in range(0, count, sub)
-              for i in range(a, min(a + sub, count))]  # [sub, 1]: row i within its sub-block
-    for i in range(count):
-        j = i1 + i
-        g = sw.group_of[j]
-        if not sw.fixed and j % scheme.group_size == 0:
+    # per column: its row of Hs1 within its sub-block, or None for a sub-block's last column
+    h_cols = [Hs1[i, a : a + sub].unsqueeze(1) if i + 1 < min(a + sub, count) else None
+              for a in range(0, count, sub) for i in range(a, min(a + sub, count))]  # [sub, 1]
+    s_cols = [sw.s_rows[g] for g in sw.group_of[i1 : i1 + count]]  # views: mid-sweep scales land in them
+    z_cols = [sw.z_rows[g] for g in sw.group_of[i1 : i1 + count]] if sw.z_rows is not None else [None] * count
+    qf_rows = qf_rows if qf_rows is not None else [None] * count
+    recompute, gsize, int_codes, cast = not sw.fixed, scheme.group_size, sw.int_codes, wdtype != torch.float32
+    qmin, qmax = sw.qmin, sw.qmax
+    div, sub_ = torch.div, torch.sub
+    # the loop is Python-bound on CPU (a few microseconds per op on a column of a few hundred rows):
+    # everything it reads is a local, made above
+    for i, (w_col, s32, z32, e_row, e_mat, h_col, qrow) in enumerate(
+            zip(w_rows, s_cols, z_cols, e_rows, e_mats, h_cols, qf_rows)):
+        if recompute and (i1 + i) % gsize == 0:
+            g = sw.group_of[i1 + i]
             # compressed-tensors' scales of this group's current (error-updated)
             # weights: [group, rows] -> [rows, 1]
-            s, z = _qparams(W1[i : i + scheme.group_size].to(wdtype).T.contiguous(), sw.group_spec, sw.segs)
+            s, z = _qparams(W1[i : i + gsize].to(wdtype).T.contiguous(), sw.group_spec, sw.segs)
             sw.scale[:, g : g + 1] = s
             sw.scale_t[g] = s[:, 0] if sw.gs_rows is None else s[:, 0].to(torch.float32) / sw.gs_rows
             if sw.zp is not None:
                 sw.zp[:, g : g + 1] = z
                 sw.zp_t[g] = z[:, 0]
-        s32 = sw.s_rows[g]
-        z32 = None if sw.z_rows is None else sw.z_rows[g]
-        w_col = w_rows[i]
         # float32 copies of the scale give the same bits as the stored dtype: the
         # library promotes it to float32 for this division anyway (NVFP4: scale /
         # global scale, which the library computes in float32 first, is s32)
-        if sw.int_codes:
-            dq = _int_qdq(w_col, s32, z32, qf_rows[i], sw.qmin, sw.qmax)
+        if int_codes:
+            # primitives.quantize_values then dequantize_values for an int type, the same operations in
+            # the same order (the same bits): the codes made in qrow (float32), (q - zp) * scale out
+            div(w_col, s32, out=qrow)
+            if z32 is None:
+                qrow.clamp_(qmin, qmax).round_()
+                dq = qrow * s32
+            else:
+                qrow.add_(z32).clamp_(qmin, qmax).round_()
+                dq = (qrow - z32).mul_(s32)
         else:
             q = rtn.quantize_values(w_col, s32, z32, scheme)
             q_rows[i].copy_(q)
@@ -529,19 +543,18 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: Tensor, i1: int, qf: T
         # (q - zp) * scale is exact in float32; one rounding to the weight dtype
         # then equals the loader's own dequantization in that dtype (the subtraction
         # promotes it back to float32 exactly)
-        if wdtype != torch.float32:
+        if cast:
             dq = dq.to(wdtype)
-        torch.sub(w_col, dq, out=e_rows[i])
+        sub_(w_col, dq, out=e_row)
         # push the error onto this sub-block's later columns (rank-1; the earlier rows get
         # 0 * err, and row i itself, already quantized, is not read again).  addmm_ with
         # an inner dim of 1 is BLAS (addr_ is far slower on CPU); the whole sub-block
         # avoids a slice per column
-        k = i // sub
-        if i + 1 < min(k * sub + sub, count):
-            w_subs[k].addmm_(h_cols[i], e_mats[i], alpha=-1)
-        elif k * sub + sub < count:  # the sub-block done: its errors onto the block's later columns
-            a = k * sub
-            W1[a + sub :].addmm_(Hs1[a : a + sub, a + sub :].T, Err1[a : a + sub], alpha=-1)
+        if h_col is not None:
+            w_subs[i // sub].addmm_(h_col, e_mat, alpha=-1)
+        elif i + 1 < count:  # the sub-block done: its errors onto the block's later columns
+            a = i + 1 - sub
+            W1[i + 1 :].addmm_(Hs1[a : i + 1, i + 1 :].T, Err1[a : i + 1], alpha=-1)
     if sw.int_codes:
         Q1.copy_(qf[:count])  # integral values: the int8 cast is exact
     return Err1
@@ -553,19 +566,6 @@ def _group_of(scheme: QuantScheme, cols: int, perm: Tensor | None) -> list[int]:
         return [0] * cols
     group_of = torch.arange(cols) // scheme.group_size
     return (group_of[perm.cpu()] if perm is not None else group_of).tolist()
-
-
-def _int_qdq(w_col: Tensor, s32: Tensor, z32: Tensor | None, q_row: Tensor, qmin: int, qmax: int) -> Tensor:
-    """``primitives.quantize_values`` then ``dequantize_values`` of one column for an int type (the
-    same operations in the same order: the same bits): the codes are made in ``q_row`` (float32)
-    and ``(q - zp) * scale`` is returned, in float32."""
-    torch.div(w_col, s32, out=q_row)
-    if z32 is not None:
-        q_row.add_(z32)
-    q_row.clamp_(qmin, qmax).round_()
-    if z32 is not None:
-        return (q_row - z32).mul_(s32)
-    return q_row * s32
 
 
 @dataclass
