@@ -245,9 +245,10 @@ class GPTQ:
             # Inputs in bf16 (the forwards' dtype on a CPU with AMX) multiply as bf16 operands with
             # float32 sums and results (_bf16_operands: exact, 2x faster).  (bf16 *results* were
             # tried and dropped: rounding each sample's x^T x to bf16 left some Hessians indefinite;
-            # SmolLM2's layer 0 and 15 o_proj needed 10x the dampening.)  x^T x is symmetric: only its upper block triangle is computed, in row
-            # bands of _SYM_BAND (an entry is the same float32 dot product over the sample's tokens
-            # either way); the lower triangle is mirrored from it when H is next read.
+            # SmolLM2's layer 0 and 15 o_proj needed 10x the dampening.)  x^T x is symmetric: only
+            # its upper block triangle is computed, in row bands of _SYM_BAND (an entry is the same
+            # float32 dot product over the sample's tokens either way); the lower triangle is
+            # mirrored from it when H is next read.
             H, n, band = self._H, self.in_features, _SYM_BAND
             with _bf16_operands(x.dtype == torch.bfloat16 and H.device.type == "cpu"):
                 for sample in x.reshape(x.shape[0], -1, n):

@@ -286,9 +286,10 @@ def _failure_text(e: BaseException) -> str:
 
 def _solve_cost(cols: int, rows: int) -> float:
     """A GPTQ solve's seconds on one CPU thread, roughly: the damped inverse factor (~cols^3), the
-    column loop's Python-bound steps (~cols) and its updates (~rows * cols^2); measured on SmolLM2's
-    shapes (1536 wide: 0.08 + 0.07 + 0.03 s).  Only its ratios matter (``_owners``)."""
-    return 2.3e-11 * cols**3 + 4.5e-5 * cols + 2e-11 * rows * cols**2
+    column loop's Python-bound steps (~cols) and its updates (~rows * cols^2), fitted on SmolLM2's
+    shapes (576 x 1536: 0.06 + 0.05 s; 3072 x 576: 0.003 + 0.02 + 0.02 s).  Only its ratios matter
+    (``_owners``)."""
+    return 1.6e-11 * cols**3 + 3.3e-5 * cols + 2e-11 * rows * cols**2
 
 
 def _owners(costs: list[float], world: int) -> list[int]:
