@@ -72,6 +72,9 @@ __all__ = ["GPTQ", "GPTQConfig", "GPTQResult"]
 
 logger = logging.getLogger(__name__)
 
+_BF32: bool | None = None  # _cpu_bf32's answer, once asked
+
+
 def _cpu_bf32() -> bool:
     """Whether this torch and CPU run float32 matmuls in oneDNN's bf16 mode (AMX / AVX512-BF16)."""
     global _BF32
@@ -83,9 +86,6 @@ def _cpu_bf32() -> bool:
         except (AttributeError, RuntimeError):
             _BF32 = False
     return _BF32
-
-
-_BF32: bool | None = None
 
 
 @contextmanager
@@ -316,8 +316,10 @@ class GPTQ:
         Hf.diagonal()[dead[rev]] = 1
         mean_diag = float(torch.mean(diag if perm is None else diag[perm]))
         Hinv, damp, retries = _inverse_cholesky(Hf, mean_diag, cfg, name)
-        self._prepared = _Prepared(key, dead, int(dead.sum()), H, c, perm, Hinv, damp, retries,
-                                   Hinv / Hinv.diagonal()[:, None])
+        hdiag = Hinv.diagonal().clone()
+        # the sweep reads Hinv's rows over their diagonal: divided in place, one in x in matrix kept
+        self._prepared = _Prepared(key, dead, int(dead.sum()), H, c, perm, hdiag, Hinv.div_(hdiag[:, None]), damp,
+                                   retries)
         return self._prepared
 
     @torch.no_grad()
@@ -365,7 +367,7 @@ class GPTQ:
         gscales = [_global_scale(st, spec, wdtype) for _, st in segs]
 
         prep = self._prepare(cfg, dev, name)
-        dead, n_dead, perm, Hinv, damp = prep.dead, prep.n_dead, prep.perm, prep.Hinv, prep.damp
+        dead, n_dead, perm, hdiag, damp = prep.dead, prep.n_dead, prep.perm, prep.hdiag, prep.damp
         W = w.to(torch.float32).clone()
         W[:, dead] = 0
 
@@ -418,7 +420,7 @@ class GPTQ:
         for i1 in range(0, cols, bs):
             i2 = min(i1 + bs, cols)
             Err1 = _sweep_block(sweep, Wt[i1:i2], Qt[i1:i2], Hs[i1:i2, i1:i2], i1, qf)
-            losses += (Err1 / torch.diag(Hinv[i1:i2, i1:i2])[:, None]).square_().sum(dim=0) / 2
+            losses += (Err1 / hdiag[i1:i2, None]).square_().sum(dim=0) / 2
             # lazy batch update of every column after the block
             if i2 < cols:
                 Wt[i2:].addmm_(Hs[i1:i2, i2:].T, Err1, alpha=-1)
@@ -495,7 +497,7 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: Tensor, i1: int, qf: T
     # every per-column view made at once: indexing a tensor per column cost as much as the
     # column's maths (Python overhead dominates the sweep on CPU)
     w_rows, e_rows, q_rows = W1.unbind(0), Err1.unbind(0), Q1.unbind(0)
-    qf_rows = qf[:count].unbind(0) if sw.int_codes else None  # the codes, in float32
+    qf_rows = qf[:count].unbind(0) if sw.int_codes else [None] * count  # the codes, in float32
     e_mats = Err1.unsqueeze(1).unbind(0)  # [1, rows]
     # each column's error goes onto the later columns of its sub-block at once (one rank-1
     # product per column over sub rows, not over the block's), onto the rest of the block by
@@ -506,7 +508,6 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: Tensor, i1: int, qf: T
               for a in range(0, count, sub) for i in range(a, min(a + sub, count))]  # [sub, 1]
     s_cols = [sw.s_rows[g] for g in sw.group_of[i1 : i1 + count]]  # views: mid-sweep scales land in them
     z_cols = [sw.z_rows[g] for g in sw.group_of[i1 : i1 + count]] if sw.z_rows is not None else [None] * count
-    qf_rows = qf_rows if qf_rows is not None else [None] * count
     recompute, gsize, int_codes, cast = not sw.fixed, scheme.group_size, sw.int_codes, wdtype != torch.float32
     qmin, qmax = sw.qmin, sw.qmax
     div, sub_ = torch.div, torch.sub
@@ -579,10 +580,10 @@ class _Prepared:
     H_raw: Tensor  # the raw sum x^T x (float64), for the reported error's metric
     h_scale: float  # 2 / n
     perm: Tensor | None  # act-order permutation
-    Hinv: Tensor  # upper factor of the damped inverse, in sweep order, float32
+    hdiag: Tensor  # the diagonal of Hinv, the upper factor of the damped inverse in sweep order (float32)
+    Hs: Tensor  # Hinv's rows divided by their diagonal entry (what a column's error is pushed with)
     damp: float
     retries: int
-    Hs: Tensor  # Hinv's rows divided by their diagonal entry (what a column's error is pushed with)
 
     def h_err(self) -> Tensor:
         """The undamped, dead-fixed, unpermuted normalized Hessian in float32."""
