@@ -146,10 +146,8 @@ class GPTQAlgorithm(Algorithm):
 
     def _solve_stack(self, work: BlockWork, g: GPTQ, lins, ws) -> list[Solved]:
         """One column loop for the rows ``ws`` (one tensor per Linear of ``lins``, all under ``g``)."""
-        if len(lins) == 1:
-            s = self._rows(g, ws[0], lins[0].scheme, lins[0].name, work.stats.get(lins[0].name))
-            s.H = g.H
-            return [s]
+        if len(lins) == 1:  # (_rows sets H: a stack has rows)
+            return [self._rows(g, ws[0], lins[0].scheme, lins[0].name, work.stats.get(lins[0].name))]
         heights = [w.shape[0] for w in ws]
         solved = self._rows(g, torch.cat(ws), lins[0].scheme, " + ".join(l.name for l in lins),
                             work.stats.get(lins[0].name))
