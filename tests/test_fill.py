@@ -370,7 +370,7 @@ def test_fsdp_param_groups_reads_both_torch_layouts():
     one group or None: both read as a list (every load failed on torch 2.11 before)."""
     from types import SimpleNamespace
 
-    from sq.load.fill import fsdp_param_groups
+    from sq.parallel.fsdp import fsdp_param_groups
 
     def module(state):
         return SimpleNamespace(_get_fsdp_state=lambda: state)

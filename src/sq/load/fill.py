@@ -43,6 +43,7 @@ from torch.futures import Future
 from sq.errors import LoadRefused
 from sq.load.keymap import Piece
 from sq.load.source import CheckpointSource, TensorInfo, open_checked
+from sq.parallel.fsdp import fsdp_param_groups
 
 MAX_PREAD = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call anyway)
 
@@ -365,18 +366,6 @@ def agree(problems: list[str]) -> None:
 def module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     mod_name, _, leaf = name.rpartition(".")
     return (model.get_submodule(mod_name) if mod_name else model), leaf
-
-
-def fsdp_param_groups(mod: nn.Module) -> list:
-    """An FSDP2 module's parameter groups (no public getter): torch 2.13 keeps a list
-    (``_fsdp_param_groups``), torch 2.11 one group or None (``_fsdp_param_group``, which 2.13 keeps
-    too) -- found on the GPU machine's torch 2.11, where the list's absence broke every load."""
-    state = mod._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
 
 
 def fsdp_reset(model: nn.Module, leaves: set[nn.Module]) -> None:

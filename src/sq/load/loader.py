@@ -22,15 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from sq.dist import ParallelDims, uses_nccl
 from sq.errors import LoadRefused
-from sq.load.fill import (SqStorageReader, agree, dcp_read, fsdp_param_groups, fsdp_reset, module_of, requests_for,
-                          set_device)
+from sq.load.fill import SqStorageReader, agree, dcp_read, fsdp_reset, module_of, requests_for, set_device
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
 from sq.anatomy import decoder_blocks
 from sq.load.meta import build_skeleton, config_problems, tokenizer_problems
 from sq.load.source import CheckpointSource, scan_checkpoint
-from sq.parallel.fsdp import apply_parallel, root_param_problems
+from sq.parallel.fsdp import apply_parallel, fsdp_param_groups, root_param_problems
 
 logger = logging.getLogger(__name__)
 

@@ -82,6 +82,18 @@ def main_dtype(module: nn.Module, ignored=()) -> torch.dtype | None:
     return max(sorted(numel, key=str), key=numel.get) if numel else None
 
 
+def fsdp_param_groups(mod: nn.Module) -> list:
+    """An FSDP2 module's parameter groups (no public getter): torch 2.13 keeps a list
+    (``_fsdp_param_groups``), torch 2.11 one group or None (``_fsdp_param_group``, which 2.13 keeps
+    too) -- found on the GPU machine's torch 2.11, where the list's absence broke every load."""
+    state = mod._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 class unsharded:
     """Keep ``block``'s FSDP2 units (the block and any sub-unit) unsharded across forwards and backwards.
 
@@ -99,10 +111,10 @@ class unsharded:
 
     @staticmethod
     def _settings(m) -> tuple[bool, bool]:
-        try:  # FSDP2 keeps them on the unit's parameter group (no public getter in torch 2.13)
-            group = m._get_fsdp_state()._fsdp_param_group
-            return group.post_forward_mesh_info is not None, bool(group.reshard_after_backward)
-        except AttributeError:
+        groups = fsdp_param_groups(m)  # FSDP2 keeps them on the unit's parameter group (no public getter)
+        try:
+            return groups[0].post_forward_mesh_info is not None, bool(groups[0].reshard_after_backward)
+        except (AttributeError, IndexError):
             return True, True
 
     def __enter__(self):
