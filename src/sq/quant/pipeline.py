@@ -12,7 +12,8 @@
         calibrate  the algorithm's statistics from the block's calibration forward (collectives)
         solve      the algorithm on this rank's rows / experts -> data; dequantized rows written back
         propagate  forward again with quantized weights -> b+1's inputs (the quantized chain)
-        write      rows gathered to a round-robin writer, compressed, one shard per rank; b freed;
+        write      rows gathered to a round-robin writer (or written by the rank that solved them
+                   whole: GPTQ), compressed, one shard per rank; b freed;
                    in a background thread, one block behind: the shard, the chain cache, b recorded
                    in the manifest (in that order)
     rank 0: root tensors, carried keys, config, side files, report, merged index (last)
