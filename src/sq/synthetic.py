@@ -110,6 +110,7 @@ def build_checkpoint(
     shards: int,
     image_text: bool = False,
     save_original_format: bool = True,
+    tokenizer_vocab_size: int | None = None,
 ) -> tuple[Path, object]:
     """Random model from a config -> sharded safetensors + tokenizer; returns (dir, config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -126,6 +127,6 @@ def build_checkpoint(
     max_shard = max(1, math.ceil(_state_bytes(model) / max(1, shards)))
     model.save_pretrained(out_dir, max_shard_size=max_shard, save_original_format=save_original_format)
     text_cfg = cfg.get_text_config()
-    build_tokenizer(out_dir, text_cfg.vocab_size)
+    build_tokenizer(out_dir, tokenizer_vocab_size or text_cfg.vocab_size)
     logger.debug("built a random %s checkpoint in %s", model_type, out_dir)
     return out_dir, cfg

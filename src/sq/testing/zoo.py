@@ -1,0 +1,237 @@
+"""The conformance zoo: a tiny seeded checkpoint of every architecture family users bring.
+
+``ZOO`` lists transformers ``model_type``s by family (dense, MoE, hybrid, VLM) with the config
+overrides that make each tiny (hidden 64, 2-4 layers, 4 experts) yet keep its layout features
+(shared experts, dense-first layers, sliding windows, linear-attention / SSM layers, biases).
+:func:`build_zoo` writes one the way the Hub ships it (``save_pretrained``'s original-format keys);
+:func:`check_output` proves a quantized output of it loads in transformers with no missing or
+unexpected keys and gives the logits of the source model with each quantized weight replaced by its
+dequantized value from the output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sq.synthetic import build_checkpoint
+
+# sizes every family shares: distinct widths, so a transposed tensor fails a shape check
+_BASE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=528, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    tie_word_embeddings=False,
+)
+# every key a MoE config might spell its sizes with; only those the config class has are set
+_MOE = dict(
+    moe_intermediate_size=48, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    shared_expert_intermediate_size=48, n_shared_experts=1, decoder_sparse_step=1, mlp_only_layers=[],
+    first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, num_shared_experts=1, moe_num_experts=4, moe_k=2,
+    moe_layer_start_index=1, expert_intermediate_size=48,
+)
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    model_type: str
+    family: str  # dense | moe | hybrid | vlm
+    overrides: dict = field(default_factory=dict)
+
+
+def _e(model_type: str, family: str, **overrides) -> ZooEntry:
+    return ZooEntry(model_type, family, overrides)
+
+
+_MLA = dict(head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
+              mamba_d_conv=4, mamba_expand=2)
+_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               layer_types=["linear_attention", "full_attention"])
+
+ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
+    # dense
+    _e("llama", "dense"), _e("mistral", "dense"), _e("qwen2", "dense"), _e("qwen3", "dense"),
+    _e("gemma", "dense"), _e("gemma2", "dense"), _e("gemma3_text", "dense"),
+    _e("gemma4_text", "dense", vocab_size_per_layer_input=528, hidden_size_per_layer_input=16, global_head_dim=16,
+       layer_types=["sliding_attention", "full_attention"]),
+    _e("phi3", "dense"), _e("phi", "dense"), _e("cohere", "dense"), _e("cohere2", "dense"),
+    _e("olmo2", "dense"), _e("olmo3", "dense"), _e("granite", "dense"), _e("stablelm", "dense"),
+    _e("starcoder2", "dense"), _e("glm4", "dense"), _e("smollm3", "dense"), _e("exaone4", "dense"),
+    _e("seed_oss", "dense"), _e("ernie4_5", "dense"), _e("apertus", "dense"), _e("nemotron", "dense"),
+    _e("helium", "dense"), _e("ministral", "dense"),
+    # MoE
+    _e("mixtral", "moe"), _e("qwen2_moe", "moe"), _e("qwen3_moe", "moe"), _e("deepseek_v2", "moe", **_MLA),
+    _e("deepseek_v3", "moe", **_MLA),
+    _e("deepseek_v32", "moe", **_MLA, index_head_dim=16, index_n_heads=2, index_topk=8,
+       mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2),
+    _e("deepseek_v4", "moe"), _e("gpt_oss", "moe"),
+    _e("llama4_text", "moe"), _e("phimoe", "moe"), _e("granitemoe", "moe"), _e("granitemoeshared", "moe"),
+    _e("olmoe", "moe"), _e("ernie4_5_moe", "moe"), _e("glm4_moe", "moe"), _e("dots1", "moe"),
+    _e("hunyuan_v1_moe", "moe"),
+    _e("longcat_flash", "moe", **_MLA, num_layers=2, expert_ffn_hidden_size=48, zero_expert_num=2),
+    _e("minimax", "moe", layer_types=["linear_attention", "full_attention"]), _e("flex_olmo", "moe"),
+    _e("lfm2_moe", "moe", num_dense_layers=1, layer_types=["conv", "full_attention"]),
+    _e("exaone_moe", "moe"), _e("qwen3_5_moe_text", "moe", **_LINEAR),
+    # hybrids: linear attention / SSM layers beside attention
+    _e("qwen3_next", "hybrid", **_LINEAR), _e("qwen3_5_text", "hybrid", **_LINEAR),
+    _e("kimi_linear", "hybrid", **_MLA, linear_head_dim=16, linear_num_heads=4,
+       layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]),
+    _e("falcon_h1", "hybrid", **_MAMBA, mamba_d_ssm=128),
+    _e("nemotron_h", "hybrid", layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=8,
+       mamba_head_dim=16, ssm_state_size=16, n_groups=1, moe_shared_expert_intermediate_size=48, chunk_size=16),
+    _e("jamba", "hybrid", attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+       mamba_dt_rank=16, mamba_d_state=16),
+    _e("lfm2", "hybrid", layer_types=["conv", "full_attention"]),
+    _e("bamba", "hybrid", **_MAMBA, attn_layer_indices=[1]),
+    _e("granitemoehybrid", "hybrid", **_MAMBA, layer_types=["mamba", "attention"]),
+    # vision-language
+    _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm"), _e("qwen3_vl", "vlm"), _e("llama4", "vlm"),
+    _e("mistral3", "vlm"),
+]}
+
+
+def tiny_config(model_type: str) -> dict:
+    """The config keyword arguments for a tiny ``model_type``: every size key its class has."""
+    from transformers import AutoConfig
+
+    entry = ZOO[model_type]
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    wanted = dict(_BASE, **_MOE) if entry.family in ("moe", "hybrid") else dict(_BASE)
+    kwargs = {k: v for k, v in wanted.items() if k in defaults or k in _BASE}
+    return kwargs | entry.overrides
+
+
+def build_zoo(out_dir: Path, model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+              shards: int = 2) -> Path:
+    entry = ZOO[model_type]
+    # the embedding has spare rows past the tokenizer (as real checkpoints do): some tokenizer classes
+    # add a special token of their own
+    return build_checkpoint(out_dir, model_type, tiny_config(model_type), seed=seed, dtype=dtype, shards=shards,
+                            image_text=entry.family == "vlm", tokenizer_vocab_size=512)[0]
+
+
+# ----------------------------------------------------------------------------- output check
+
+_ROUTER_LEAVES = ("gate", "router", "classifier")
+
+
+def _unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: list[int],
+                 zero: torch.Tensor | None = None) -> torch.Tensor:
+    """compressed-tensors' ``pack-quantized`` int4 -> float32, written from the format's definition
+    (eight 4-bit codes per int32, lowest bits first, offset by 8; one scale per group along ``in``),
+    not from sq's or the library's unpacker, so the check below is a real cross-check."""
+    out, inp = shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    codes = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).reshape(out, -1)[:, :inp] - 8
+    group = inp // scale.shape[1]
+    q = codes.to(torch.float32).reshape(out, scale.shape[1], group)
+    if zero is not None:
+        q = q - zero.to(torch.float32).unsqueeze(-1)
+    return (q * scale.to(torch.float32).unsqueeze(-1)).reshape(out, inp)
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def dequantized_output(out_dir: Path) -> dict[str, torch.Tensor]:
+    """``name.weight`` -> float32 for every W4A16 (pack-quantized int4) weight of an output folder."""
+    tensors = read_safetensors_dir(out_dir)
+    deq = {}
+    for key in tensors:
+        if key.endswith(".weight_packed"):
+            base = key[: -len("_packed")]
+            shape = [int(s) for s in tensors[base + "_shape"].tolist()]
+            deq[base] = _unpack_int4(tensors[key], tensors[base + "_scale"], shape,
+                                     tensors.get(base + "_zero_point"))
+    return deq
+
+
+def _load(path: Path, *, state_dict=None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = AutoConfig.from_pretrained(path)
+    archs = getattr(cfg, "architectures", None) or []
+    auto = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in archs) else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+
+
+def _logits(model, vocab: int) -> torch.Tensor:
+    ids = torch.arange(3, 3 + 24).remainder(vocab).reshape(2, 12)
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float = 0.35) -> dict:
+    """Prove ``out`` (a W4A16 output of checkpoint ``src``) is ``src`` with some weights quantized.
+
+    1. every quantized weight's name is a weight of the source checkpoint with the same shape, and its
+       dequantized value is near the source's (a transposed or swapped tensor is not);
+    2. no router / gate is quantized;
+    3. transformers loads ``out`` with no missing or unexpected keys;
+    4. its logits equal those of the source checkpoint with each quantized weight replaced by its
+       dequantized value (loaded by transformers from the source's own layout): float tolerance only.
+
+    Returns a summary (quantized / carried counts, the largest logit difference); raises
+    ``AssertionError`` naming what is wrong.
+    """
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    src, out = Path(src), Path(out)
+    source = read_safetensors_dir(src)
+    deq = dequantized_output(out)
+    problems = []
+    for name, w in deq.items():
+        if name not in source:
+            problems.append(f"quantized {name!r} is not a source checkpoint tensor")
+            continue
+        if tuple(source[name].shape) != tuple(w.shape):
+            problems.append(f"quantized {name!r} is {list(w.shape)}, source {list(source[name].shape)}")
+            continue
+        ref = source[name].float()
+        rel = float((w - ref).norm() / ref.norm().clamp_min(1e-12))
+        if rel > max_rel_err:
+            problems.append(f"quantized {name!r} is {rel:.2f} away from the source (relative): wrong layout")
+        leaf = name.rsplit(".", 2)[-2]
+        if leaf in _ROUTER_LEAVES:
+            problems.append(f"router {name!r} was quantized")
+    if not deq:
+        problems.append("no weight was quantized")
+    if problems:
+        raise AssertionError(f"{out}:\n" + "\n".join(problems))
+    with tempfile.TemporaryDirectory(prefix="sq-zoo-ref-") as tmp:
+        ref_dir = Path(tmp)
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy(f, ref_dir / f.name)
+        patched = {k: (deq[k].to(v.dtype) if k in deq else v).contiguous() for k, v in source.items()}
+        save_file(patched, ref_dir / "model.safetensors", metadata={"format": "pt"})
+        ref_model, ref_info = _load(ref_dir)
+        model, info = _load(out)
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            if ref_info.get(kind):
+                raise AssertionError(f"the reference (source layout) has {kind}: {sorted(ref_info[kind])[:8]}")
+            if info.get(kind):
+                problems.append(f"transformers loading {out} reports {kind}: {sorted(info[kind])[:8]}")
+        if problems:
+            raise AssertionError("\n".join(problems))
+        vocab = model.config.get_text_config().vocab_size
+        a, b = _logits(ref_model, vocab), _logits(model, vocab)
+    diff = float((a - b).abs().max())
+    scale = float(a.abs().max())
+    if not torch.isfinite(b).all() or diff > atol * max(1.0, scale):
+        raise AssertionError(f"{out}: logits differ from the dequantized source by {diff:.3g} (max |logit| {scale:.3g})")
+    n_carried = len(json.loads((out / "config.json").read_text())["quantization_config"].get("ignore", []))
+    return {"quantized": len(deq), "ignored": n_carried, "logit_diff": diff}
