@@ -3,8 +3,18 @@
 Everything sq needs to know about a transformers model's layout, in one place:
 
 - ``decoder_blocks``: the blocks the pipeline walks, in order;
-- ``experts_modules``: transformers 5's fused routed experts (3-D ``gate_up_proj [E, 2I, H]`` /
-  ``down_proj [E, H, I]``) and ``EXPERT_PARAMS``, their two projections;
+- ``experts_modules``: transformers 5's fused routed experts in the layout sq quantizes (3-D
+  ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, gate and up concatenated, no biases, called
+  as ``experts(hidden, top_k_index, top_k_weights)``) and ``EXPERT_PARAMS``, their two projections.
+  The layout is read from the module itself (the ``has_gate`` / ``is_transposed`` /
+  ``is_concatenated`` / ``has_bias`` facts transformers' ``use_experts_implementation`` declares,
+  the shapes, the forward's signature), never from names; ``annotate_experts`` also asks the
+  model's conversion mapping for the per-expert checkpoint names transformers loads back into the
+  fused tensors.  Experts in any other layout (gpt-oss' and Llama 4's ``[E, H, 2I]``, Nemotron-H's
+  up/down-only, LongCat's zero-compute slots, GraniteMoE's fused-on-disk tensors without a
+  per-expert layout) are carried unquantized, with the reason logged (``carried_experts``);
+- ``routers``: the Linears of an MoE block that score experts (out features = the number of
+  experts) or gate a shared expert (out features 1): never quantized unless a recipe names them;
 - ``FUSED_PARTNERS``: Linears that serving engines fuse into one kernel (vLLM's ``qkv_proj``,
   ``gate_up_proj``, DeepSeek's ``fused_qkv_a_proj``); a per-tensor statistic (an NVFP4 global
   scale, an FP8 per-tensor scale) must be shared by the members of a group, or the fused
@@ -13,12 +23,19 @@ Everything sq needs to know about a transformers model's layout, in one place:
 
 from __future__ import annotations
 
+import inspect
+import logging
+import re
+
 import torch.nn as nn
 
 from sq.errors import LoadRefused
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["decoder_blocks", "is_experts_module", "experts_modules", "EXPERT_PARAMS", "FUSED_PARTNERS",
-           "partner_groups"]
+           "partner_groups", "expert_layout_problem", "annotate_experts", "carried_experts", "expert_leaves",
+           "routers", "quantized_layout_problems"]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -45,14 +62,157 @@ def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{best}.{i}", b) for i, b in enumerate(blocks)]
 
 
-def is_experts_module(mod: nn.Module) -> bool:
-    """transformers 5 fused experts: 3-D ``gate_up_proj`` / ``down_proj`` parameters."""
+def _fused_3d(mod: nn.Module) -> bool:
     p = mod._parameters
     return "down_proj" in p and p["down_proj"] is not None and p["down_proj"].dim() == 3
 
 
+def expert_layout_problem(mod: nn.Module) -> str | None:
+    """Why fused experts ``mod`` are not in the layout sq quantizes, or None when they are.
+
+    The layout: ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, Linear
+    orientation, no other parameters, called as ``forward(hidden, top_k_index, top_k_weights)``.  Proven
+    from the facts transformers declares on the module and from the shapes: ``down_proj [E, H, I]``
+    against ``gate_up_proj [E, 2I, H]`` cannot be mistaken for the transposed ``[E, I, H]`` / ``[E, H, 2I]``.
+    """
+    p = mod._parameters
+    gu, down = p.get("gate_up_proj"), p.get("down_proj")
+    if not getattr(mod, "has_gate", True) or gu is None:
+        return "up/down-only experts (no gated gate_up_proj)"
+    if getattr(mod, "is_transposed", False):
+        return "experts stored transposed ([E, in, out], not nn.Linear's [E, out, in])"
+    if not getattr(mod, "is_concatenated", True):
+        return "gate and up rows interleaved in gate_up_proj"
+    extra = sorted(n for n, t in p.items() if t is not None and n not in EXPERT_PARAMS)
+    if extra or getattr(mod, "has_bias", False):
+        return f"experts with parameters sq does not quantize as part of them ({', '.join(extra) or 'biases'})"
+    if gu.dim() != 3 or down.dim() != 3:
+        return f"gate_up_proj {list(gu.shape)} / down_proj {list(down.shape)} are not both 3-D"
+    (e, two_i, h), (e2, h2, i) = gu.shape, down.shape
+    if e != e2:
+        return f"{e} gate_up_proj slots but {e2} down_proj slots (zero-compute or identity experts)"
+    if h2 != h or two_i != 2 * i:
+        return (f"gate_up_proj {list(gu.shape)} / down_proj {list(down.shape)} are not [E, 2I, H] / [E, H, I] "
+                "(a transposed layout)")
+    try:
+        params = list(inspect.signature(type(mod).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        params = []
+    if len(params) < 3:
+        return f"{type(mod).__name__}.forward takes ({', '.join(params)}), not (hidden, top_k_index, top_k_weights)"
+    return None
+
+
+def is_experts_module(mod: nn.Module) -> bool:
+    """Fused experts sq quantizes: 3-D ``gate_up_proj`` / ``down_proj`` in its layout, not set aside by
+    :func:`annotate_experts`."""
+    return (_fused_3d(mod) and expert_layout_problem(mod) is None
+            and getattr(mod, "_sq_carried_reason", None) is None)
+
+
 def experts_modules(block: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in block.named_modules() if is_experts_module(m)]
+
+
+def carried_experts(model: nn.Module) -> list[tuple[str, str]]:
+    """``(name, reason)`` of every fused-experts module left unquantized (carried as it is)."""
+    out = []
+    for name, mod in model.named_modules():
+        if _fused_3d(mod) or any(t is not None and t.dim() == 3 for t in mod._parameters.values()):
+            why = getattr(mod, "_sq_carried_reason", None) or expert_layout_problem(mod)
+            if why is not None:
+                out.append((name, why))
+    return out
+
+
+def expert_leaves(mod: nn.Module) -> dict[str, tuple[str, ...]]:
+    """``{param: per-expert leaf names}`` that transformers' conversion mapping stacks into ``param``
+    (``{"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}`` by default; Mixtral's
+    ``w1, w3`` / ``w2``), as :func:`annotate_experts` found them."""
+    return getattr(mod, "_sq_leaves", None) or {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+_LITERAL_LEAF = re.compile(r"^\\?\.(\w+)\\?\.weight$")
+
+
+def _per_expert_converters(model: nn.Module) -> list:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    try:
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - a model transformers has no mapping machinery for
+        return []
+    out = []
+    for t in transforms:
+        ops = [type(o) for o in getattr(t, "operations", [])]
+        if isinstance(t, WeightConverter) and ops in ([MergeModulelist], [MergeModulelist, Concatenate]):
+            out.append(t)
+    return out
+
+
+def annotate_experts(model: nn.Module) -> list[tuple[str, str]]:
+    """Decide, once per model, which fused experts sq quantizes and under which per-expert names.
+
+    Quantized experts are written per expert (``experts.{e}.gate_proj.weight_packed``...): the layout
+    vLLM's per-expert loaders read and transformers fuses back at load.  That needs a per-expert
+    converter in the model's conversion mapping for both fused tensors; its source patterns give the
+    leaf names (``gate_proj`` / ``up_proj``, Mixtral's ``w1`` / ``w3``).  Experts in another layout, or
+    with no such converter, are marked carried (written unquantized in the checkpoint's layout).
+    Returns ``(name, reason)`` for every experts module carried.
+    """
+    converters = _per_expert_converters(model)
+    for name, mod in model.named_modules():
+        if not _fused_3d(mod) or expert_layout_problem(mod) is not None:
+            continue
+        leaves: dict[str, tuple[str, ...]] = {}
+        for pname in EXPERT_PARAMS:
+            full = f"{name}.{pname}"
+            for conv in converters:
+                target = conv.target_patterns[0].replace("*", ".*")
+                if not re.search(target + "$", full):
+                    continue
+                tails = [src.split("*", 1)[-1] for src in conv.source_patterns]
+                found = [m.group(1) for m in (_LITERAL_LEAF.match(t) for t in tails) if m]
+                if len(found) == len(tails) and len(found) == (2 if pname == "gate_up_proj" else 1):
+                    leaves[pname] = tuple(found)
+                    break
+        if len(leaves) == len(EXPERT_PARAMS):
+            mod._sq_leaves = leaves
+            mod._sq_carried_reason = None
+        else:
+            mod._sq_carried_reason = ("transformers has no per-expert layout for them (no per-expert conversion "
+                                      "mapping), so no quantized checkpoint of them would load")
+    carried = carried_experts(model)
+    by_reason: dict[str, list[str]] = {}
+    for name, why in carried:
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():  # one line per cause, not per layer
+        logger.info("experts carried unquantized (%d module(s), e.g. %s): %s", len(names), names[0], why)
+    return carried
+
+
+def routers(model: nn.Module) -> list[str]:
+    """Names of the modules with a 2-D ``weight`` that score experts or gate a shared expert: inside the
+    parent of a fused-experts module (any layout), outside the experts, with ``E`` (the number of expert
+    slots) or 1 output rows.  Read from shapes, whatever the module is called (``gate``, ``router``,
+    ``router.classifier``, ``gate.wg``, ``shared_expert_gate``)."""
+    found: list[str] = []
+    for name, mod in model.named_modules():
+        three_d = [t for t in mod._parameters.values() if t is not None and t.dim() == 3]
+        if not three_d:
+            continue
+        counts = {t.shape[0] for t in three_d}
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        for sub_name, sub in parent.named_modules():
+            full = f"{parent_name}.{sub_name}" if parent_name and sub_name else (parent_name or sub_name)
+            if sub is mod or full.startswith(name + ".") or full == name:
+                continue
+            w = sub._parameters.get("weight")
+            if w is not None and w.dim() == 2 and (w.shape[0] in counts or w.shape[0] == 1):
+                found.append(full)
+    return sorted(set(found))
 
 
 def partner_groups(names: list[str]) -> list[list[str]]:
@@ -68,3 +228,24 @@ def partner_groups(names: list[str]) -> list[list[str]]:
     for n in names:
         groups.setdefault(group_of.get(n, (n, -1)), []).append(n)
     return list(groups.values())
+
+
+def quantized_layout_problems(model: nn.Module) -> list[str]:
+    """Modules transformers swaps for another layout when it loads a compressed-tensors checkpoint
+    (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's fused ``[E, H, 2I]`` experts become per-expert
+    Linears), so a quantized checkpoint must hold that other layout: refused by name until sq writes it."""
+    try:
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION as patched
+    except ImportError:
+        return []
+    found: dict[str, list[str]] = {}
+    for name, mod in model.named_modules():
+        entry = patched.get(type(mod).__name__)
+        methods = [str(getattr(m, "value", m)) for m in (entry or {}).get("quantization_methods", [])]
+        if entry and "compressed-tensors" in methods:
+            found.setdefault(type(mod).__name__, []).append(name)
+    return [f"{cls} ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}): transformers loads a "
+            f"quantized checkpoint of this model with these modules replaced by "
+            f"{patched[cls]['module_name'].__name__} (per-expert Linears), a layout sq does not write yet; "
+            "no quantized output of this model would load"
+            for cls, names in found.items()]

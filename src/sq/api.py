@@ -81,6 +81,7 @@ class _resharded:
 
 def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration, tokenizer, dataset, nsamples,
               seqlen, seed, ignore, recipe, resume, **settings) -> dict:
+    from sq.anatomy import annotate_experts
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
     from sq.files import sha256_bytes
@@ -108,6 +109,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     all_ok(not problems, "API argument checks")
     if problems:
         raise SqError(problems)
+    annotate_experts(model)  # which fused experts sq quantizes, under which per-expert names
     problems = cfg.problems()
     assigner = weights = None
     if not problems:

@@ -100,8 +100,11 @@ def _legacy_regex_renames(model: nn.Module) -> list[tuple[re.Pattern, str]]:
 
 
 def _pattern_index_regex(pattern: str) -> re.Pattern:
-    """``mlp.experts.*.gate_proj.weight`` -> regex capturing the expert index."""
-    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + r"(?!\w)")
+    """``mlp.experts.*.gate_proj.weight`` -> regex capturing the expert index.
+
+    transformers' source patterns are regexes (``\\.experts.*.w1.weight``) whose ``*`` it reads as
+    ``.*``; here the ``*`` is the expert index."""
+    return re.compile(pattern.replace("*", r"(?P<expert>\d+)") + r"(?!\w)")
 
 
 def _has_digit_component(parts: list[str]) -> bool:
@@ -186,7 +189,7 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
             continue
         j = converter.source_patterns.index(pattern)
         m = _pattern_index_regex(pattern).search(renamed) if "*" in pattern else None
-        expert = int(m.group(1)) if m else -1
+        expert = int(m.group("expert")) if m else -1
         converter_hits[t].append((key, j, expert))
         conv_of[t] = converter
 
@@ -243,7 +246,8 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
                 for e in range(n_experts):
                     if (j, e) not in have:
                         mm = _pattern_index_regex(pat).search(k0)
-                        missing = k0[:mm.start(1)] + str(e) + k0[mm.end(1):] if mm else f"{pat} (expert {e})"
+                        missing = (k0[:mm.start("expert")] + str(e) + k0[mm.end("expert"):] if mm
+                                   else f"{pat} (expert {e})")
                         km.problems.append(
                             f"{t}: expert {e} has no checkpoint tensor {missing!r} (pattern {pat!r}); "
                             f"refusing to stack the other experts into its slot")

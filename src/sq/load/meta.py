@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from sq.anatomy import annotate_experts
 from sq.errors import LoadRefused, SqError
 from sq.load.fp8 import quantization_config_problems
 from sq.load.source import link_problem, read_checked, read_config
@@ -84,9 +85,11 @@ def build_skeleton(root: str | Path, *, dtype: torch.dtype | None = None, trust_
         try:
             with torch.device("meta"):
                 model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-            return model.eval()
         except Exception as e:  # noqa: BLE001 - e.g. a field of the wrong type in config.json
             last_error = _one_line(e)
+            continue
+        annotate_experts(model)  # which fused experts sq quantizes, under which per-expert names
+        return model.eval()
     raise LoadRefused(f"{root / 'config.json'}: no causal-LM or image-text-to-text class for model_type "
                       f"{raw.get('model_type')!r} ({last_error or 'not in transformers'})")
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.anatomy import EXPERT_PARAMS
+from sq.anatomy import EXPERT_PARAMS, expert_leaves
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
 from sq.parallel.collectives import all_gather_rows
@@ -47,8 +47,10 @@ def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]
     """Checkpoint-layout names of every expert projection, from the key map's boxes.
 
     A per-expert source (``experts.{e}.gate_proj.weight``, Mixtral's ``w1/w3/w2``) names its own
-    boxes; a fused source (or a model in memory: ``pieces`` None) gets transformers' per-expert
-    layout (``gate_proj`` / ``up_proj`` / ``down_proj``), which is what vLLM's per-expert loaders read.
+    boxes; a fused source (or a model in memory: ``pieces`` None) gets the per-expert names of the
+    model's conversion mapping (``sq.anatomy.expert_leaves``: ``gate_proj`` / ``up_proj`` /
+    ``down_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``), which vLLM's per-expert loaders read and
+    transformers fuses back.
     Sorted by (expert, param, first row): an expert's slots of one param tile its rows in order.
     """
     pieces = pieces or {}
@@ -64,13 +66,11 @@ def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]
                                         x.ckpt_key.removesuffix("weight")))
             continue
         ckpt_prefix = ps[0].ckpt_key.rsplit(".", 1)[0] if ps else prefix
+        leaves = expert_leaves(experts)[pname]  # the names transformers' conversion mapping fuses back
+        step = rows // len(leaves)
         for e in range(n_exp):
-            if pname == "down_proj":
-                slots.append(ExpertSlot(pname, e, 0, rows, f"{ckpt_prefix}.{e}.down_proj."))
-            else:
-                half = rows // 2
-                slots.append(ExpertSlot(pname, e, 0, half, f"{ckpt_prefix}.{e}.gate_proj."))
-                slots.append(ExpertSlot(pname, e, half, rows, f"{ckpt_prefix}.{e}.up_proj."))
+            for j, leaf in enumerate(leaves):
+                slots.append(ExpertSlot(pname, e, j * step, (j + 1) * step, f"{ckpt_prefix}.{e}.{leaf}."))
     return sorted(slots, key=lambda s: (s.expert, s.param, s.lo))
 
 

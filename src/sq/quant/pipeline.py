@@ -43,7 +43,8 @@ from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
 from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, shard_name, written_by_sq
 from sq.load.fill import local_box
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups
+from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups, quantized_layout_problems,
+                        routers)
 from sq.memory import HeapTrim, peak_rss_bytes, rss_breakdown
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
@@ -87,12 +88,13 @@ class Targets:
 
 def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> Targets:
     blocks = decoder_blocks(model)
+    gates = set(routers(model))  # routers and shared-expert gates: never quantized (vLLM runs them unquantized)
     linears, k = [], 0
     for prefix, block in blocks:
         mine = []
         for n, m in block.named_modules():
             full = f"{prefix}.{n}"
-            scheme = assigner.assign(full) if isinstance(m, nn.Linear) else None
+            scheme = assigner.assign(full) if isinstance(m, nn.Linear) and full not in gates else None
             if scheme is not None:
                 ck = weights.ckpt_name(f"{full}.weight")
                 mine.append(Linear(full, m, ck.removesuffix("weight"), k % world, scheme))  # round-robin writers
@@ -103,7 +105,7 @@ def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> T
     experts = [[e for e in es if e[2] is not None] for es in experts]
     quantized = {l.name for ls in linears for l in ls}
     unquantized = sorted({n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized}
-                         | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")})
+                         | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")} | gates)
     assignment = {l.name: scheme_tag(l.scheme) for ls in linears for l in ls}
     assignment.update({p: scheme_tag(s) for es in experts for p, _, s in es})
     return Targets(blocks, linears, experts, unquantized, assignment)
@@ -126,7 +128,7 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
     world = dist.get_world_size()
     if world % cfg.ep:
         problems.append(f"--ep {cfg.ep} does not divide the world size {world}")
-    for prefix, block in targets.blocks:
+    for (prefix, block), lins in zip(targets.blocks, targets.linears):
         for n, ex in experts_modules(block):
             e, hidden, inter = ex._parameters["down_proj"].shape
             scheme = assigner.assign(f"{prefix}.{n}")
@@ -138,13 +140,12 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
                     problems += err.problems
             if cfg.ep > 1 and e % cfg.ep:
                 problems.append(f"{prefix}.{n}: {e} experts do not split evenly over --ep {cfg.ep}")
-        for n, m in block.named_modules():
-            scheme = assigner.assign(f"{prefix}.{n}") if isinstance(m, nn.Linear) else None
-            if scheme is not None:
-                try:
-                    check_group_size(f"{prefix}.{n}", m.in_features, scheme)
-                except SqError as e:
-                    problems += e.problems
+        for lin in lins:
+            try:
+                check_group_size(lin.name, lin.module.in_features, lin.scheme)
+            except SqError as e:
+                problems += e.problems
+    problems += quantized_layout_problems(model)
     problems += _row_shard_problems(targets)
     problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
     problems += algo.refusals(model, assigner, world, cfg.ep)
@@ -665,7 +666,7 @@ class _Pipeline:
                 continue
             t_ = full_tensor(params[n] if n in params else self.model.get_buffer(n))
             if rank == 0:
-                tensors[self.weights.ckpt_name(n)] = t_.detach().clone()
+                tensors.update(self.weights.ckpt_tensors(n, t_.detach()))
         shard = shard_name(rank, b)
         die = None
         if fault is not None and fault.hit("mid-shard-write", rank, b):
@@ -717,7 +718,7 @@ class _Pipeline:
         for n in weights.root_names:  # whole, under the checkpoint's own names (a tied alias has no key)
             t = full_tensor(params[n] if n in params else self.model.get_buffer(n))
             if rank == 0:
-                root[weights.ckpt_name(n)] = t.detach().clone()
+                root.update(weights.ckpt_tensors(n, t.detach()))
         if rank == 0:
             self.fragments.update(writer.write_tensors(self.out, shard_name(0, None), root))
             self.fragments.update(weights.write_extras(self.out))

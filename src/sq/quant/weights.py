@@ -62,6 +62,17 @@ class CheckpointWeights:
                           "only one-to-one dense tensors can be exported yet")
         return pieces[0].ckpt_key
 
+    def ckpt_tensors(self, target: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` to write unquantized model tensor ``target`` (its whole ``value``) under: its
+        checkpoint key where one key fills it; the model's own name where the checkpoint splits it
+        (per-expert keys of experts left unquantized, Kimi's q/k/v conv weights): transformers 5 stacks
+        or concatenates such keys while loading an unquantized checkpoint, but not while loading a
+        compressed-tensors one, where the model's name loads as it is."""
+        pieces = self.plan.keymap.pieces.get(target, [])
+        if len(pieces) == 1 and pieces[0].stack_dim is None and not any(pieces[0].offsets):
+            return {pieces[0].ckpt_key: value.clone()}
+        return {target: value.clone()}
+
     @property
     def expert_pieces(self) -> dict:
         return self.plan.keymap.pieces
@@ -203,6 +214,9 @@ class ModelWeights:
 
     def ckpt_name(self, target: str) -> str:
         return target
+
+    def ckpt_tensors(self, target: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {target: value.clone()}
 
     expert_pieces = None
 

@@ -46,7 +46,7 @@ def _e(model_type: str, family: str, **overrides) -> ZooEntry:
     return ZooEntry(model_type, family, overrides)
 
 
-_MLA = dict(head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32)
+_MLA = dict(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32)
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
               mamba_d_conv=4, mamba_expand=2)
 _LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -72,13 +72,13 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("llama4_text", "moe"), _e("phimoe", "moe"), _e("granitemoe", "moe"), _e("granitemoeshared", "moe"),
     _e("olmoe", "moe"), _e("ernie4_5_moe", "moe"), _e("glm4_moe", "moe"), _e("dots1", "moe"),
     _e("hunyuan_v1_moe", "moe"),
-    _e("longcat_flash", "moe", **_MLA, num_layers=2, expert_ffn_hidden_size=48, zero_expert_num=2),
+    _e("longcat_flash", "moe", **_MLA, num_layers=2, expert_ffn_hidden_size=48, zero_expert_num=2, moe_topk=2),
     _e("minimax", "moe", layer_types=["linear_attention", "full_attention"]), _e("flex_olmo", "moe"),
     _e("lfm2_moe", "moe", num_dense_layers=1, layer_types=["conv", "full_attention"]),
     _e("exaone_moe", "moe"), _e("qwen3_5_moe_text", "moe", **_LINEAR),
     # hybrids: linear attention / SSM layers beside attention
     _e("qwen3_next", "hybrid", **_LINEAR), _e("qwen3_5_text", "hybrid", **_LINEAR),
-    _e("kimi_linear", "hybrid", **_MLA, linear_head_dim=16, linear_num_heads=4,
+    _e("kimi_linear", "hybrid", **_MLA, linear_head_dim=16, linear_num_heads=4, num_experts_per_token=2,
        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]),
     _e("falcon_h1", "hybrid", **_MAMBA, mamba_d_ssm=128),
     _e("nemotron_h", "hybrid", layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=8,
@@ -116,7 +116,7 @@ def build_zoo(out_dir: Path, model_type: str, *, seed: int = 0, dtype: torch.dty
 
 # ----------------------------------------------------------------------------- output check
 
-_ROUTER_LEAVES = ("gate", "router", "classifier")
+_ROUTER_LEAVES = ("gate", "router", "classifier", "shared_expert_gate", "wg")
 
 
 def _unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: list[int],
