@@ -63,8 +63,9 @@ def run_cli(body: Callable[[], object]) -> int:
         body()
         return 0
     except SqError as e:
-        for problem in e.problems:
-            print(f"sq: error: {problem}", file=sys.stderr)
+        if _speaks(e.problems):
+            for problem in summarize(e.problems):
+                print(f"sq: error: {problem}", file=sys.stderr)
         sys.stderr.flush()
         _settle()
         return 2
@@ -73,6 +74,50 @@ def run_cli(body: Callable[[], object]) -> int:
             destroy_distributed()
         except Exception:
             pass
+
+
+def summarize(problems: list[str], keep: int = 3) -> list[str]:
+    """One summary per cause: problems that differ only in numbers (layers, experts, shapes) are one
+    cause; past ``keep`` of them, a count stands for the rest."""
+    import re
+
+    causes: dict[str, list[str]] = {}
+    for p in problems:
+        causes.setdefault(re.sub(r"\d+", "N", p), []).append(p)
+    out = []
+    for same in causes.values():
+        out += same[:keep]
+        if len(same) > keep:
+            out.append(f"... and {len(same) - keep} more like the line above")
+    return out
+
+
+def _speaks(problems: list[str], timeout_s: float = 5.0) -> bool:
+    """Whether this rank prints its problems: rank 0 always; another rank only where its problems
+    differ from rank 0's (a refusal raised from shared facts is printed once, not once per rank).
+    Compared through the process group's key-value store, not a collective (a rank may be stuck in one)."""
+    import hashlib
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return True
+        store = dist.PrefixStore("sq-errors/", dist.distributed_c10d._get_default_store())
+        digest = hashlib.sha256("\n".join(problems).encode()).hexdigest()
+        rank = dist.get_rank()
+        if rank == 0:
+            store.set("0", digest)
+            return True
+        deadline = time.monotonic() + timeout_s
+        while not store.check(["0"]):
+            if time.monotonic() > deadline:
+                return True  # rank 0 did not say: speak for oneself
+            time.sleep(0.05)
+        return store.get("0").decode() != digest
+    except Exception:  # noqa: BLE001 - a store that is gone: better twice than never
+        return True
 
 
 def _settle(timeout_s: float = 10.0) -> None:
