@@ -9,12 +9,14 @@ from names and shapes which tensors are Linear weights, and quantizes each with 
 Classification (docs/model-free.md), inside decoder layers ``<prefix>.layers.<i>.`` with
 ``i < num_hidden_layers`` (later layers -- DeepSeek's MTP -- are carried over as they are):
 
-- quantized: 2-D ``*.weight`` of a projection (``*_proj``, ``*_proj_with_mqa``, Mixtral's
-  ``w1/w2/w3``, ``fc1/fc2``...), per-expert ``experts.<e>.<proj>.weight`` and fused 3-D
-  ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` (written per expert,
-  ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, as the model path writes them);
-- kept: 1-D tensors (norms, biases), routers (``gate`` / ``router``: listed in ``ignore``);
-- anything else 2-D / 3-D in a layer: refused by name (``--ignore`` keeps it as it is).
+- where transformers knows the ``model_type``, from the model it builds on meta (``sq.load.layout``):
+  the whole ``.weight`` of a non-router ``nn.Linear`` in a decoder block is quantized, per-expert
+  tensors the conversion mapping stacks are quantized per expert, a fused 3-D tensor only where its
+  per-expert names load back; everything else (norms, conv, SSM parameters, routers, 3-D tensors
+  with no per-expert layout transformers loads) is carried as it is;
+- otherwise from names and shapes: 2-D projections (``*_proj``, ``w1/w2/w3``, ``fc1/fc2``...) and
+  per-expert ``experts.<e>.<proj>.weight`` quantized, 1-D tensors and routers kept, anything else
+  (every 3-D tensor: its orientation cannot be proven) refused by name (``--ignore`` keeps it).
 
 Outside the layers everything is kept; ``lm_head`` is listed in ``ignore``.  FP8 block-scaled
 sources are dequantized per tile (``sq.load.fp8.dequantize``) into the config's dtype, their scales
