@@ -289,6 +289,13 @@ def test_unclassified_tensors_are_named_with_the_flag_to_override(checkpoints, t
 
     edit_tensors(src, add)
     args = ["sq.ptq", "--model", str(src), "--algo", "rtn", "--group-size", str(GS), "--model-free"]
+    # transformers knows llama: the model has no slot for it, so it is carried as it is (as the model path does)
+    res = run_cli([*args, "--output", str(tmp_path / "o0")], 1, timeout=120)
+    assert res.returncode == 0, res.output[-3000:]
+    assert "model.layers.0.mlp.lookup.weight" in json.loads(
+        (tmp_path / "o0" / "model.safetensors.index.json").read_text())["weight_map"]
+    # an architecture transformers does not know: names and shapes only, so it is named instead of guessed
+    edit_config(src, model_type="llama_next", architectures=["LlamaNextForCausalLM"])
     res = run_cli([*args, "--output", str(tmp_path / "o")], 1, timeout=120)
     assert res.returncode != 0
     assert re.search(r"sq: error: model\.layers\.0\.mlp\.lookup\.weight \[8, 64\].*--ignore", res.stderr), res.stderr
@@ -300,3 +307,76 @@ def test_unclassified_tensors_are_named_with_the_flag_to_override(checkpoints, t
     index = json.loads((tmp_path / "o2" / "model.safetensors.index.json").read_text())["weight_map"]
     with safe_open(str(tmp_path / "o2" / index["model.layers.0.mlp.lookup.weight"]), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.lookup.weight").shape == (8, 64)
+
+
+# ----------------------------------------------------------------------------- layouts from the meta model
+# zoo checkpoints (sq.testing.zoo) whose layout names alone cannot tell: fused 3-D experts stored
+# [E, H, 2I] (llama4_text: transformers loads them per expert only; gpt_oss: carried fused), linear-attention
+# and conv tensors beside attention (qwen3_next), small gates and routers that are nn.Linear (qwen2_moe),
+# a router statistic renamed by the conversion mapping (ernie4_5_moe)
+ZOO_CASES = {"llama4_text": (1,), "gpt_oss": (1,), "qwen3_next": (1, 2), "qwen2_moe": (1, 2), "ernie4_5_moe": (1,)}
+
+
+def _cli(src, out, nproc, *extra):
+    return run_cli(["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "W4A16", "--group-size",
+                    str(GS), "--algo", "rtn", "--model-free", "--timeout", "60", *extra], nproc, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def zoo_runs(tmp_path_factory):
+    from sq.testing.zoo import build_zoo
+
+    root = tmp_path_factory.mktemp("mfzoo")
+    runs = {}
+    for t, worlds in ZOO_CASES.items():
+        src = build_zoo(root / t, t)
+        for w in worlds:
+            runs[t, w] = (src, root / f"{t}-out{w}", _cli(src, root / f"{t}-out{w}", w))
+    return runs
+
+
+@pytest.mark.parametrize("arch,world", [(t, w) for t, ws in ZOO_CASES.items() for w in ws])
+def test_zoo_layouts_from_the_meta_model_load_back(zoo_runs, arch, world):
+    """Every quantized name is a source tensor of the source shape, transformers loads the output with
+    no missing or unexpected keys, the logits are the dequantized source's, no router is quantized."""
+    from sq.testing.zoo import check_output, read_safetensors_dir
+
+    src, out, res = zoo_runs[arch, world]
+    assert res.returncode == 0, res.output[-3000:]
+    summary = check_output(src, out)
+    assert summary["quantized"] > 0
+    written = read_safetensors_dir(out)
+    qc = _qc(out)
+    if arch in ("llama4_text", "gpt_oss"):  # attention quantized, experts carried unquantized
+        assert any("self_attn.q_proj.weight_packed" in k for k in written)
+        assert not any("experts" in k and k.endswith("weight_packed") for k in written)
+        assert "carried unquantized" in res.output
+    if arch == "gpt_oss":  # no per-expert layout transformers loads back: kept fused, as stored
+        assert written["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 256)
+    if arch == "llama4_text":  # transformers loads Llama4's experts per expert: [out, in] of the stored [in, out]
+        source = read_safetensors_dir(src)
+        gate_up = source["model.layers.0.feed_forward.experts.gate_up_proj"]
+        assert written["model.layers.0.feed_forward.experts.1.up_proj.weight"].equal(gate_up[1][:, 128:].T)
+        assert "model.layers.0.feed_forward.experts.1.up_proj" in qc["ignore"]
+    if arch == "qwen2_moe":  # routers and the shared expert's [1, H] gate carried, listed in ignore
+        assert {"model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"} <= set(qc["ignore"])
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in written
+        assert "model.layers.0.mlp.experts.0.gate_proj.weight_packed" in written
+    if arch == "qwen3_next":  # the linear-attention projections quantized, conv / A_log / dt_bias carried
+        assert "model.layers.0.linear_attn.in_proj_qkvz.weight_packed" in written
+        assert {"model.layers.0.linear_attn.conv1d.weight", "model.layers.0.linear_attn.A_log"} <= set(written)
+    if arch == "ernie4_5_moe":
+        assert "model.layers.1.mlp.moe_statics.e_score_correction_bias" in written
+
+
+def test_unknown_model_type_with_a_3d_tensor_is_refused_by_name(checkpoints, tmp_path):
+    """Without the model, a fused 3-D tensor's orientation cannot be proven: refused, never guessed."""
+    src = copy_ckpt(checkpoints["qwen3_moe_fused"], tmp_path / "next")
+    edit_config(src, model_type="qwen3_moe_next", architectures=["Qwen3MoeNextForCausalLM"])
+    out = tmp_path / "o"
+    res = _cli(src, out, 1)
+    assert res.returncode != 0 and res.codes == [2], (res.codes, res.output[-3000:])
+    assert re.search(r"sq: error: model\.layers\.0\.mlp\.experts\.gate_up_proj \[\d+, \d+, \d+\]: a 3-D tensor.*"
+                     r"--ignore 'model\\\.layers\\\.0\\\.mlp\\\.experts\\\.gate_up_proj'", res.stderr), res.stderr
+    assert "experts.down_proj" in res.stderr
+    assert not out.exists() or not any(out.iterdir())

@@ -9,12 +9,14 @@ from names and shapes which tensors are Linear weights, and quantizes each with 
 Classification (docs/model-free.md), inside decoder layers ``<prefix>.layers.<i>.`` with
 ``i < num_hidden_layers`` (later layers -- DeepSeek's MTP -- are carried over as they are):
 
-- quantized: 2-D ``*.weight`` of a projection (``*_proj``, ``*_proj_with_mqa``, Mixtral's
-  ``w1/w2/w3``, ``fc1/fc2``...), per-expert ``experts.<e>.<proj>.weight`` and fused 3-D
-  ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` (written per expert,
-  ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, as the model path writes them);
-- kept: 1-D tensors (norms, biases), routers (``gate`` / ``router``: listed in ``ignore``);
-- anything else 2-D / 3-D in a layer: refused by name (``--ignore`` keeps it as it is).
+- where transformers knows the ``model_type``, from the model it builds on meta (``sq.load.layout``):
+  the whole ``.weight`` of a non-router ``nn.Linear`` in a decoder block is quantized, per-expert
+  tensors the conversion mapping stacks are quantized per expert, a fused 3-D tensor only where its
+  per-expert names load back; everything else (norms, conv, SSM parameters, routers, 3-D tensors
+  with no per-expert layout transformers loads) is carried as it is;
+- otherwise from names and shapes: 2-D projections (``*_proj``, ``w1/w2/w3``, ``fc1/fc2``...) and
+  per-expert ``experts.<e>.<proj>.weight`` quantized, 1-D tensors and routers kept, anything else
+  (every 3-D tensor: its orientation cannot be proven) refused by name (``--ignore`` keeps it).
 
 Outside the layers everything is kept; ``lm_head`` is listed in ``ignore``.  FP8 block-scaled
 sources are dequantized per tile (``sq.load.fp8.dequantize``) into the config's dtype, their scales
@@ -74,7 +76,6 @@ __all__ = ["wanted", "quantize_checkpoint", "classify", "Plan"]
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<i>\d+)\.(?P<rest>.+)$")
 _EXPERT = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
-_FUSED = re.compile(r"^(?P<group>.*\.experts)\.(?P<leaf>gate_up_proj|down_proj)$")
 _PROJ = re.compile(r"(_proj|_proj_with_mqa|^w[1-3]|^fc\d|^dense(_h_to_4h|_4h_to_h)?|^query_key_value|^c_(attn|proj|fc)"
                    r"|^w[qkvo])$")
 _ROUTER = {"gate", "router", "router_gate"}
@@ -94,6 +95,7 @@ class Slot:
     lo: int = 0
     hi: int | None = None
     share: int = 0  # slots of a unit with the same value share one global scale (gate + up; not down)
+    cols: tuple[int, int] | None = None  # copied as columns [c0, c1) of expert e, transposed to [out, in]
 
 
 @dataclass
@@ -170,7 +172,10 @@ def renamer(model_type) -> Callable[[str], str]:
 
 
 def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
-    """Which tensors are quantized, kept or refused (by name, from names and shapes only)."""
+    """Which tensors are quantized, kept or refused: from the model transformers builds on meta where
+    it knows the architecture (``sq.load.layout``), else from names and shapes only."""
+    from sq.load.layout import checkpoint_layout
+
     tensors = {k: v for k, v in source.tensors.items() if k not in fp8_scales}
     counts: dict[str, int] = {}
     for k, t in tensors.items():
@@ -191,43 +196,92 @@ def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
             layers.setdefault(int(m["i"]), []).append(k)
     n = max(layers) + 1 if layers else 0
     plan = Plan([f"{prefix}.{i}" for i in range(n)], [], root, carried)
-    if any(k.startswith("lm_head.") for k in tensors) or not any(k.startswith("lm_head.") for k in source.tensors):
-        plan.unquantized.append("lm_head")  # the model path lists it, tied or not
-    rename = renamer(source.config.get("model_type"))
-    for k in root:  # Linears outside the decoder (a vision tower's): kept, listed as the model path lists them
-        t = tensors[k]
-        if len(t.shape) == 2 and k.endswith(".weight") and not re.search(r"embed|^lm_head\.|\.wte\.|\.wpe\.", k):
-            plan.unquantized.append(rename(k.removesuffix(".weight")))
+    layout = checkpoint_layout(source.root, tensors) if isinstance(source.config.get("model_type"), str) else None
+    base = renamer(source.config.get("model_type"))
+    if layout is None:
+        if any(k.startswith("lm_head.") for k in tensors) or not any(k.startswith("lm_head.") for k in source.tensors):
+            plan.unquantized.append("lm_head")  # the model path lists it, tied or not
+        for k in root:  # Linears outside the decoder (a vision tower's): kept, listed as the model path lists them
+            t = tensors[k]
+            if len(t.shape) == 2 and k.endswith(".weight") and not re.search(r"embed|^lm_head\.|\.wte\.|\.wpe\.", k):
+                plan.unquantized.append(base(k.removesuffix(".weight")))
+        rename, role = base, _role_by_name
+    else:
+        for note in layout.notes:
+            logger.info("model-free: %s", note)
+        rename = lambda name: layout.names.get(name) or base(name)  # noqa: E731
+        role = lambda k, t: _role_by_layout(layout, k)  # noqa: E731
     for b in range(n):
-        problems += _classify_layer(plan, b, layers.get(b, []), tensors, assigner, rename)
+        problems += _classify_layer(plan, b, layers.get(b, []), tensors, assigner, rename, role)
+    if layout is not None:  # every Linear left unquantized and every router, by model name (as the model path)
+        quantized = {rename(nm) for nm in plan.dense}
+        plan.unquantized = sorted({*(nm for nm in layout.linears if nm not in quantized), *layout.routers,
+                                   *plan.unquantized})
     return plan, problems
 
 
-def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rename) -> list[str]:
-    problems, dense, experts, kept = [], {}, {}, []
+def _role_by_layout(layout, k: str) -> tuple:
+    if k in layout.linear:
+        return ("dense",)
+    if k in layout.expert:
+        return ("expert", *layout.expert[k])
+    if k in layout.fused:
+        group, leaf = layout.fused[k]
+        return ("expert", group, None, leaf)
+    if k in layout.transposed:
+        return ("transposed", layout.transposed[k])
+    return ("kept",)
+
+
+def _role_by_name(k: str, t) -> tuple:
+    """A tensor's role from its name and shape alone (an architecture transformers cannot build):
+    a 3-D tensor's orientation cannot be proven from a name, so it is refused, never guessed."""
+    per_expert = _EXPERT.match(k) if len(t.shape) == 2 else None
+    leaf = k.removesuffix(".weight").rsplit(".", 1)[-1]
+    if per_expert and _PROJ.search(per_expert["leaf"]):
+        return ("expert", per_expert["group"], int(per_expert["e"]), per_expert["leaf"])
+    if len(t.shape) == 2 and k.endswith(".weight") and leaf in _ROUTER:
+        return ("router",)
+    if len(t.shape) == 2 and k.endswith(".weight") and _PROJ.search(leaf):
+        return ("dense",)
+    if len(t.shape) <= 1:
+        return ("kept",)
+    return ("refuse",)
+
+
+def _refusal(k: str, t) -> str:
+    pattern = re.escape(k.removesuffix(".weight"))
+    if len(t.shape) == 3:
+        what = ("a 3-D tensor whose orientation (which dimension is the experts', the output's, the input's) "
+                "cannot be proven without the model, and transformers does not know this architecture")
+    else:
+        what = ("not a tensor model-free quantization can classify (a projection, an expert, a router, a "
+                "norm) without the model")
+    return f"{k} {list(t.shape)}: {what}; pass --ignore '{pattern}' to leave it as it is"
+
+
+def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rename, role) -> list[str]:
+    problems, dense, experts, kept, moved = [], {}, {}, [], []
     for k in keys:
         t = tensors[k]
-        fused = _FUSED.match(k) if len(t.shape) == 3 else None
-        per_expert = _EXPERT.match(k) if len(t.shape) == 2 else None
-        leaf = k.removesuffix(".weight").rsplit(".", 1)[-1]
-        if fused:
-            experts.setdefault(fused["group"], []).append((k, None, fused["leaf"]))
-        elif per_expert and _PROJ.search(per_expert["leaf"]):
-            experts.setdefault(per_expert["group"], []).append((k, int(per_expert["e"]), per_expert["leaf"]))
-        elif len(t.shape) == 2 and k.endswith(".weight") and leaf in _ROUTER:
+        r = role(k, t)
+        if r[0] == "transposed":  # carried per expert as [out, in] (sq.load.layout)
+            moved += [Slot(k, name.removesuffix("weight"), x, cols=(c0, c1)) for name, x, c0, c1 in r[1]]
+        elif r[0] == "expert":
+            experts.setdefault(r[1], []).append((k, r[2], r[3]))
+        elif r[0] == "router":
             plan.unquantized.append(rename(k.removesuffix(".weight")))
             kept.append(k)
-        elif len(t.shape) == 2 and k.endswith(".weight") and _PROJ.search(leaf):
+        elif r[0] == "dense":
             dense[k.removesuffix(".weight")] = k
-        elif len(t.shape) <= 1:
+        elif r[0] == "kept":
             kept.append(k)
-        elif assigner.assign(rename(k.removesuffix(".weight"))) is None:  # the user keeps it (--ignore, recipe)
+        elif (assigner.assign(k.removesuffix(".weight")) is None  # the user keeps it (--ignore, recipe): by
+              or assigner.assign(rename(k.removesuffix(".weight"))) is None):  # checkpoint or model name
             plan.unquantized.append(rename(k.removesuffix(".weight")))
             kept.append(k)
         else:
-            pattern = re.escape(rename(k.removesuffix(".weight")))
-            problems.append(f"{k} {list(t.shape)}: not a tensor model-free quantization can classify (a "
-                            f"projection, an expert, a router, a norm); pass --ignore '{pattern}' to leave it as it is")
+            problems.append(_refusal(k, t))
     for name, key in dense.items():
         scheme = assigner.assign(rename(name))
         if scheme is None:
@@ -251,9 +305,10 @@ def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rena
             plan.units.append(Unit(b, slots, scheme, names[0], sum(tensors[s.key].nbytes for s in slots)))
     for group, entries in experts.items():
         problems += _expert_units(plan, b, group, entries, tensors, assigner, kept, rename)
-    if kept:
-        plan.units.append(Unit(b, [Slot(k, None) for k in kept], None, f"{plan.blocks[b]} (kept)",
-                               sum(tensors[k].nbytes for k in kept)))
+    if kept or moved:
+        nbytes = sum(tensors[k].nbytes for k in kept) + sum(
+            tensors[s.key].nbytes * (s.cols[1] - s.cols[0]) // math.prod(tensors[s.key].shape[::2]) for s in moved)
+        plan.units.append(Unit(b, [Slot(k, None) for k in kept] + moved, None, f"{plan.blocks[b]} (kept)", nbytes))
     return problems
 
 
@@ -567,7 +622,13 @@ def _quantize_unit(unit: Unit, fetched: list, reader: _Reader,
                    skip_nonfinite: bool) -> tuple[dict, list[str], list[str]]:
     """The unit's output tensors (from its ``fetch_unit``), the Linears left unquantized for NaN/Inf, and refusals."""
     if unit.scheme is None:
-        return {s.key: reader.convert(s.key, f) for s, f in zip(unit.slots, fetched)}, [], []
+        out = {}
+        for s, f in zip(unit.slots, fetched):
+            if s.cols is None:
+                out[s.key] = reader.convert(s.key, f)
+            else:  # one expert's [in, out] columns, written as the [out, in] weight transformers loads
+                out[s.out_prefix + "weight"] = reader.convert(s.key, f, expert=True)[:, s.cols[0]:s.cols[1]].T.contiguous()
+        return out, [], []
     ws = [reader.convert(s.key, f, s.lo, expert=s.e is not None) for s, f in zip(unit.slots, fetched)]
     del fetched
     bad = [i for i, w in enumerate(ws) if not rtn.all_finite(w)]

@@ -1,0 +1,214 @@
+"""What each checkpoint tensor is, read off the model transformers builds on the meta device.
+
+Model-free quantization (``sq.modelfree``) never fills a model, but when transformers knows the
+``model_type`` the model skeleton on meta (no memory, no reads) says what names cannot: which
+checkpoint tensor is the weight of an ``nn.Linear`` in a decoder block, which is a router, which
+per-expert tensor the conversion mapping stacks into a fused expert parameter, and whether a fused
+3-D tensor stored fused on disk can be written per expert at all (only where transformers'
+conversion mapping loads those per-expert names back into the same boxes of the same parameter).
+
+``checkpoint_layout`` maps every checkpoint key to its model parameter (``sq.load.keymap``) and
+classifies it:
+
+- ``linear``: maps whole (no box, rule ``exact`` / ``conversion`` renaming / ``suffix``) onto the
+  ``.weight`` of an ``nn.Linear`` inside a decoder block that is not a router;
+- ``expert``: a per-expert ``[out, in]`` tensor the conversion mapping stacks into a fused expert
+  parameter (``MergeModulelist``);
+- ``fused``: a 3-D ``experts.gate_up_proj`` / ``down_proj`` stored fused in transformers' own
+  orientation (``[E, 2I, H]`` / ``[E, H, I]``) whose per-expert names the conversion mapping loads
+  back into exactly the rows they came from;
+- everything else is carried as it is (norms, conv, SSM parameters, biases, buffers, embeddings,
+  routers, 3-D tensors with no per-expert layout transformers loads back).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.nn as nn
+
+from sq.anatomy import decoder_blocks, is_experts_module
+from sq.load.source import TensorInfo
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Layout", "checkpoint_layout", "is_router"]
+
+_EXPERT_KEY = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
+_ROUTER_LEAVES = {"gate", "router", "router_gate", "classifier", "wg", "shared_expert_gate"}
+
+
+@dataclass
+class Layout:
+    linear: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model module name
+    expert: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # key -> (ckpt group, e, leaf)
+    fused: dict[str, tuple[str, str]] = field(default_factory=dict)  # 3-D key -> (ckpt group, leaf)
+    # 3-D key stored [E, in, out] -> per-expert [out, in] pieces: (written name, expert, column range),
+    # carried unquantized (transformers loads such experts as per-expert Linears only)
+    transposed: dict[str, list[tuple[str, int, int, int]]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)  # checkpoint module / experts prefix -> model name
+    linears: list[str] = field(default_factory=list)  # every nn.Linear of the model (model names)
+    routers: list[str] = field(default_factory=list)  # router modules (listed in ignore, as the model path)
+    notes: list[str] = field(default_factory=list)  # one line per kind of tensor carried for want of a layout
+
+
+def _n_experts(mod: nn.Module) -> int | None:
+    """The number of routed experts of an MoE module: its fused experts' first dimension, or the
+    length of an ``experts`` ModuleList."""
+    for _, sub in mod.named_modules():
+        if is_experts_module(sub):
+            return sub._parameters["down_proj"].shape[0]
+    ex = getattr(mod, "experts", None)
+    return len(ex) if isinstance(ex, nn.ModuleList) else None
+
+
+def is_router(block: nn.Module, rel: str) -> bool:
+    """Whether Linear ``rel`` (a name inside ``block``) is a router or a small gate of an MoE module:
+    it sits in a module that holds routed experts, outside any expert or MLP of it, and it is named
+    like one (``gate``, ``router``, ``classifier``, Hunyuan's ``gate.wg``, ``shared_expert_gate``) or
+    has one output per expert (or a single one)."""
+    parts = rel.split(".")
+    lin = block.get_submodule(rel)
+    for i in range(len(parts) - 1, -1, -1):
+        owner = block.get_submodule(".".join(parts[:i])) if i else block
+        n = _n_experts(owner)
+        if n is None:
+            continue
+        inner = parts[i:-1]  # the path between the MoE module and the Linear
+        if any("expert" in p or "mlp" in p for p in inner):
+            return False
+        return parts[-1] in _ROUTER_LEAVES or lin.out_features in (n, 1)
+    return False
+
+
+def _whole(piece, shape) -> bool:
+    return piece.stack_dim is None and all(o == 0 for o in piece.offsets) and tuple(piece.lengths) == tuple(shape)
+
+
+def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layout | None:
+    """The layout facts of ``tensors`` (the checkpoint at ``root``), or None where transformers
+    cannot build the architecture (an unknown ``model_type``, remote code) or the checkpoint does not
+    fit the model it builds: the caller falls back on names and shapes."""
+    from sq.load.keymap import build_keymap, model_targets
+    from sq.load.meta import build_skeleton
+
+    try:
+        model = build_skeleton(root)
+        blocks = decoder_blocks(model)
+        km = build_keymap(model, tensors)
+    except Exception as e:  # noqa: BLE001 - anything transformers trips on: the name path decides
+        logger.info("model-free: no model layout for %s (%s); classifying by names and shapes", root, e)
+        return None
+    if km.problems:
+        logger.info("model-free: %s does not fit the model transformers builds (%s); classifying by names and "
+                    "shapes", root, km.problems[0])
+        return None
+    targets, _ = model_targets(model)
+    modules = dict(model.named_modules())
+    block_of = {prefix: b for prefix, b in blocks}
+    lay = Layout(linears=[n for n, m in modules.items() if isinstance(m, nn.Linear)],
+                 routers=[n for n, m in modules.items() if type(m).__name__.endswith("Router")])
+    for target, pieces in km.pieces.items():
+        mod_name, _, pname = target.rpartition(".")
+        mod = modules.get(mod_name)
+        block = next((p for p in block_of if target.startswith(p + ".")), None)
+        for p in pieces:
+            key, info = p.ckpt_key, tensors[p.ckpt_key]
+            m = _EXPERT_KEY.match(key)
+            if (p.stack_dim is not None and m and len(info.shape) == 2 and block is not None
+                    and is_experts_module(mod)):
+                lay.expert[key] = (m["group"], int(m["e"]), m["leaf"])
+                lay.names[m["group"]] = mod_name
+            elif (isinstance(mod, nn.Linear) and pname == "weight" and block is not None and len(pieces) == 1
+                  and _whole(p, targets[target]) and key.endswith(".weight")
+                  and not is_router(block_of[block], mod_name[len(block) + 1:])):
+                lay.linear[key] = mod_name
+                lay.names[key.removesuffix(".weight")] = mod_name
+            elif len(info.shape) == 3 and is_experts_module(mod) and _whole(p, targets[target]):
+                _fused(lay, model, key, info, mod_name, pname)
+    return lay
+
+
+def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: str, pname: str) -> None:
+    """A 3-D expert tensor stored fused: split per expert only where the conversion mapping loads the
+    per-expert names back into the very rows they are read from; otherwise carried (noted)."""
+    from sq.load.keymap import build_keymap
+
+    group, _, leaf = key.rpartition(".")
+    e, rows, cols = info.shape
+    if leaf == "gate_up_proj" and rows % 2 == 0:
+        boxes = {f"{group}.{x}.{nm}.weight": (x, lo, rows // 2) for x in range(e)
+                 for nm, lo in (("gate_proj", 0), ("up_proj", rows // 2))}
+    elif leaf == "down_proj":
+        boxes = {f"{group}.{x}.down_proj.weight": (x, 0, rows) for x in range(e)}
+    else:
+        boxes = {}
+    ok = bool(boxes)
+    if ok:
+        fake = {k: TensorInfo(k, info.file, info.dtype, (n, cols), (0, 0)) for k, (_, _, n) in boxes.items()}
+        try:
+            km = build_keymap(model, fake)
+            got = {} if km.problems else {p.ckpt_key: (p.target, p.offsets, p.stack_dim)
+                                          for ps in km.pieces.values() for p in ps}
+        except Exception:  # noqa: BLE001 - no mapping to prove it with: carried
+            got = {}
+        want = f"{mod_name}.{pname}"
+        ok = all(got.get(k) == (want, (x, lo, 0), 0) for k, (x, lo, _) in boxes.items())
+    if ok:
+        lay.fused[key] = (group, leaf)
+        lay.names[group] = mod_name
+        return
+    if _patched_split(lay, model, key, info, mod_name):
+        return
+    kind = re.sub(r"\.\d+\.", ".N.", key)
+    note = (f"{kind} {list(info.shape)} is carried unquantized: stored fused, and transformers' conversion "
+            f"mapping for this model loads no per-expert layout back into it")
+    if note not in lay.notes:
+        lay.notes.append(note)
+
+
+def _patched_split(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: str) -> bool:
+    """Experts transformers swaps for per-expert Linears when it loads a compressed-tensors checkpoint
+    (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama4's ``[E, H, 2I]`` / ``[E, I, H]``, stored as the
+    model computes ``x @ w``): a fused tensor there loads only as those per-expert ``[out, in]``
+    weights, so each expert's slab is written transposed under their names (carried, listed in
+    ``ignore``).  The patched module's own Linear shapes prove the orientation; False where they
+    do not (a square slab, another layout)."""
+    try:
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+    except ImportError:
+        return False
+    mod = model.get_submodule(mod_name)
+    spec = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(mod).__name__)
+    group, _, leaf = key.rpartition(".")
+    e, rows, cols = info.shape
+    if spec is None or rows == cols or leaf not in ("gate_up_proj", "down_proj"):
+        return False
+    try:
+        import torch
+
+        with torch.device("meta"):
+            patched = spec["module_name"](model.config.get_text_config())
+        shapes = {nm: tuple(patched[0].get_submodule(nm).weight.shape) for nm in ("gate_proj", "up_proj", "down_proj")}
+    except Exception:  # noqa: BLE001 - a patch this code does not know how to read: carried fused
+        return False
+    if len(patched) != e:
+        return False
+    if leaf == "gate_up_proj" and cols % 2 == 0 and shapes["gate_proj"] == shapes["up_proj"] == (cols // 2, rows):
+        parts = [("gate_proj", 0, cols // 2), ("up_proj", cols // 2, cols)]
+    elif leaf == "down_proj" and shapes["down_proj"] == (cols, rows):
+        parts = [("down_proj", 0, cols)]
+    else:
+        return False
+    lay.transposed[key] = [(f"{group}.{x}.{nm}.weight", x, lo, hi) for x in range(e) for nm, lo, hi in parts]
+    lay.linears += [f"{mod_name}.{x}.{nm}" for x in range(e) for nm, _, _ in parts]
+    kind = re.sub(r"\.\d+\.", ".N.", key)
+    note = (f"{kind} {list(info.shape)} is carried unquantized, per expert and transposed to [out, in] "
+            f"({', '.join(nm for nm, _, _ in parts)}): the only layout transformers loads back for "
+            f"{type(mod).__name__} in a compressed-tensors checkpoint")
+    if note not in lay.notes:
+        lay.notes.append(note)
+    return True
