@@ -25,7 +25,7 @@ def test_inspect_refusal_is_a_clean_error_on_every_rank(checkpoints, tmp_path):
     edit_config(path, vocab_size=999)
     res = run_torchrun(["sq.inspect", "--model", str(path)], 2, timeout=120)
     assert res.returncode != 0
-    assert res.stderr.count("sq: error: shape mismatch") >= 2, res.stderr[-3000:]  # one line per rank
+    assert res.stderr.count("sq: error: shape mismatch") >= 1, res.stderr[-3000:]  # rank 0 speaks for all ranks
     assert "/sq/" not in res.stderr  # no traceback through sq's code (torchrun prints its own)
 
 

@@ -253,7 +253,7 @@ def test_nonfinite_row_split_linear_is_refused_on_every_rank_or_kept(checkpoints
     res = run_cli([*args, "--output", str(tmp_path / "o1")], 2, timeout=120, env=SPLIT, stop_on_failure=False)
     assert res.codes == [2, 2], res.output[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith(f"sq: error: {key} holds NaN or Inf")]
-    assert len(lines) == 2 and "--skip-nonfinite" in lines[0], res.stderr[-3000:]
+    assert len(lines) == 1 and "--skip-nonfinite" in lines[0], res.stderr[-3000:]  # rank 0 speaks for all
     res = run_cli([*args, "--output", str(tmp_path / "o2"), "--skip-nonfinite"], 2, timeout=120, env=SPLIT)
     assert res.returncode == 0, res.output[-3000:]
     res = run_cli([*args, "--output", str(tmp_path / "o3"), "--skip-nonfinite"], 1, timeout=120)

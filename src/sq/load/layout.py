@@ -30,15 +30,14 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from sq.anatomy import decoder_blocks, is_experts_module
+from sq.anatomy import decoder_blocks, is_experts_module, routers
 from sq.load.source import TensorInfo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Layout", "checkpoint_layout", "is_router"]
+__all__ = ["Layout", "checkpoint_layout"]
 
 _EXPERT_KEY = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
-_ROUTER_LEAVES = {"gate", "router", "router_gate", "classifier", "wg", "shared_expert_gate"}
 
 
 @dataclass
@@ -53,35 +52,6 @@ class Layout:
     linears: list[str] = field(default_factory=list)  # every nn.Linear of the model (model names)
     routers: list[str] = field(default_factory=list)  # router modules (listed in ignore, as the model path)
     notes: list[str] = field(default_factory=list)  # one line per kind of tensor carried for want of a layout
-
-
-def _n_experts(mod: nn.Module) -> int | None:
-    """The number of routed experts of an MoE module: its fused experts' first dimension, or the
-    length of an ``experts`` ModuleList."""
-    for _, sub in mod.named_modules():
-        if is_experts_module(sub):
-            return sub._parameters["down_proj"].shape[0]
-    ex = getattr(mod, "experts", None)
-    return len(ex) if isinstance(ex, nn.ModuleList) else None
-
-
-def is_router(block: nn.Module, rel: str) -> bool:
-    """Whether Linear ``rel`` (a name inside ``block``) is a router or a small gate of an MoE module:
-    it sits in a module that holds routed experts, outside any expert or MLP of it, and it is named
-    like one (``gate``, ``router``, ``classifier``, Hunyuan's ``gate.wg``, ``shared_expert_gate``) or
-    has one output per expert (or a single one)."""
-    parts = rel.split(".")
-    lin = block.get_submodule(rel)
-    for i in range(len(parts) - 1, -1, -1):
-        owner = block.get_submodule(".".join(parts[:i])) if i else block
-        n = _n_experts(owner)
-        if n is None:
-            continue
-        inner = parts[i:-1]  # the path between the MoE module and the Linear
-        if any("expert" in p or "mlp" in p for p in inner):
-            return False
-        return parts[-1] in _ROUTER_LEAVES or lin.out_features in (n, 1)
-    return False
 
 
 def _whole(piece, shape) -> bool:
@@ -109,8 +79,9 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
     targets, _ = model_targets(model)
     modules = dict(model.named_modules())
     block_of = {prefix: b for prefix, b in blocks}
+    gates = set(routers(model))  # routers and shared-expert gates, by shape (as the model path)
     lay = Layout(linears=[n for n, m in modules.items() if isinstance(m, nn.Linear)],
-                 routers=[n for n, m in modules.items() if type(m).__name__.endswith("Router")])
+                 routers=sorted(gates | {n for n, m in modules.items() if type(m).__name__.endswith("Router")}))
     for target, pieces in km.pieces.items():
         mod_name, _, pname = target.rpartition(".")
         mod = modules.get(mod_name)
@@ -124,7 +95,7 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
                 lay.names[m["group"]] = mod_name
             elif (isinstance(mod, nn.Linear) and pname == "weight" and block is not None and len(pieces) == 1
                   and _whole(p, targets[target]) and key.endswith(".weight")
-                  and not is_router(block_of[block], mod_name[len(block) + 1:])):
+                  and mod_name not in gates):
                 lay.linear[key] = mod_name
                 lay.names[key.removesuffix(".weight")] = mod_name
             elif len(info.shape) == 3 and is_experts_module(mod) and _whole(p, targets[target]):
