@@ -92,39 +92,106 @@ class LoadPlan:
             raise LoadRefused([f"{n} is {self.state.get(n, 'meta')}, not filled from the checkpoint" for n in bad])
 
 
-def _fresh_buffers(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Non-persistent buffers (rotary ``inv_freq``) recomputed by a fresh CPU instance of their module.
+def _nonpersistent(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every non-persistent buffer of the model: full name -> (owning module, leaf name)."""
+    return {f"{mname}.{b}" if mname else b: (mod, b) for mname, mod in model.named_modules()
+            for b in sorted(mod._non_persistent_buffers_set) if mod._buffers.get(b) is not None}
 
-    After ``to_empty`` they hold garbage, and the checkpoint does not store them.
+
+def _init_like_transformers(model: nn.Module, nonpers: dict[str, tuple[nn.Module, str]]) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers as transformers' own loader sets them on a meta-built model.
+
+    ``from_pretrained`` builds on meta, gives every non-persistent buffer an empty tensor, flags
+    each loaded tensor ``_is_hf_initialized`` and runs ``initialize_weights``: every module's
+    ``_init_weights`` (rotary ``inv_freq``, Gemma's ``embed_scale``, the whole model's for Falcon-H1's
+    per-layer ``mup_vector``), whose ``transformers.initialization`` functions skip flagged tensors.
+    The same here: every parameter and persistent buffer (still on meta) is flagged, each
+    non-persistent buffer is a CPU placeholder, and what the traversal wrote (its version counter
+    moved) is returned.  The RNG is forked and seeded, so a buffer drawn at random would still be
+    the same on every rank.  The model is left as it was found (meta buffers, no flags).
     """
-    out, problems = {}, []
-    parents = {}
-    for name, mod in model.named_modules():
-        for cname, child in mod.named_children():
-            parents[child] = mod
-    for name, mod in model.named_modules():
-        nonpers = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
-        if not nonpers:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    originals = {n: mod._buffers[b] for n, (mod, b) in nonpers.items()}
+    holders: dict[int, torch.Tensor] = {}  # id(original) -> placeholder (a buffer registered twice stays shared)
+    for t in originals.values():
+        if id(t) not in holders:
+            h = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            holders[id(t)] = h.fill_(float("nan")) if h.is_floating_point() else h.zero_()
+    versions = {k: h._version for k, h in holders.items()}
+    flagged = [t for t in [*model.parameters(), *model.buffers()]
+               if id(t) not in holders and not getattr(t, "_is_hf_initialized", False)]
+    mod_flags = {mod: mod.__dict__.get("_is_hf_initialized") for mod in model.modules()}
+    try:
+        for n, (mod, b) in nonpers.items():
+            mod._buffers[b] = holders[id(originals[n])]
+        for t in flagged:
+            t._is_hf_initialized = True
+        for mod in mod_flags:
+            mod._is_hf_initialized = False
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model.initialize_weights()
+    except Exception as e:  # noqa: BLE001 - an _init_weights that trips on meta tensors: the fallback decides
+        logger.debug("transformers' initialize_weights failed on the meta model: %s", e)
+        versions = {k: h._version for k, h in holders.items()}  # nothing it wrote is trusted
+    finally:
+        for n, (mod, b) in nonpers.items():
+            mod._buffers[b] = originals[n]
+        for t in flagged:
+            del t._is_hf_initialized
+        for mod, flag in mod_flags.items():
+            if flag is None:
+                mod.__dict__.pop("_is_hf_initialized", None)
+            else:
+                mod._is_hf_initialized = flag
+    return {n: holders[id(t)] for n, t in originals.items() if holders[id(t)]._version != versions[id(t)]}
+
+
+def _fresh_instance(model: nn.Module, mod: nn.Module) -> nn.Module | None:
+    """A fresh CPU instance of ``mod``'s class built from the nearest ``config`` above it, or None."""
+    parents = {child: parent for parent in model.modules() for child in parent.children()}
+    cfg, m = getattr(mod, "config", None), mod
+    while cfg is None and m in parents:
+        m = parents[m]
+        cfg = getattr(m, "config", None)
+    with torch.device("cpu"):
+        for make in (lambda: type(mod)(config=cfg, device="cpu"), lambda: type(mod)(cfg)):
+            try:
+                return make()
+            except Exception:  # noqa: BLE001 - a constructor of another signature
+                continue
+    return None
+
+
+def _fresh_buffers(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Non-persistent buffers (rotary ``inv_freq``, Gemma's ``embed_scale``, Falcon-H1's ``mup_vector``)
+    recomputed on CPU, the same on every rank; after ``to_empty`` they hold garbage, and the
+    checkpoint does not store them.
+
+    First the way transformers' loader does (:func:`_init_like_transformers`); a buffer its
+    ``_init_weights`` leaves alone is taken from a fresh CPU instance of its module's class (built
+    from the config, as transformers' non-meta ``from_config`` would); a buffer neither gives is refused.
+    """
+    nonpers = _nonpersistent(model)
+    out = _init_like_transformers(model, nonpers) if nonpers else {}
+    problems, fresh = [], {}
+    for name, (mod, b) in nonpers.items():
+        if name in out:
             continue
-        cfg, m = getattr(mod, "config", None), mod
-        while cfg is None and m in parents:
-            m = parents[m]
-            cfg = getattr(m, "config", None)
-        fresh = None
-        with torch.device("cpu"):
-            for make in (lambda: type(mod)(config=cfg, device="cpu"), lambda: type(mod)(cfg)):
-                try:
-                    fresh = make()
-                    break
-                except Exception:
-                    continue
-        if fresh is None:
-            problems.append(f"cannot recompute non-persistent buffer(s) {nonpers} of {name} "
-                            f"({type(mod).__name__}); they are not in the checkpoint")
+        if mod not in fresh:
+            fresh[mod] = _fresh_instance(model, mod)
+        value = None if fresh[mod] is None else fresh[mod]._buffers.get(b)
+        if value is None:
+            owner = name.rpartition(".")[0]
+            problems.append(f"cannot recompute non-persistent buffer {b!r} of {owner or 'the model'} "
+                            f"({type(mod).__name__}): neither transformers' _init_weights nor a fresh "
+                            "instance of the module sets it, and it is not in the checkpoint")
             continue
-        for b in nonpers:
-            out[f"{name}.{b}" if name else b] = fresh._buffers[b].detach().clone()
-    return out, problems
+        out[name] = value.detach().clone()
+    return {n: out[n].detach().clone() for n in nonpers if n in out}, problems
 
 
 def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_remote_code: bool = False,

@@ -1,12 +1,15 @@
 """Running calibration batches through a model's decoder blocks, one block at a time.
 
 ``capture_block0`` gives block 0's inputs (hidden states and the keyword arguments the decoder
-layer gets: rotary embeddings, masks) for each local batch; ``block_forward`` runs a block on
-them.  Every rank runs the same number of forwards (FSDP2 all-gathers a block's weights in
-each), padding with a dummy batch that counts nothing.
+layer gets: rotary embeddings, masks) for each local batch, with what differs for later blocks
+(:class:`BlockKwargs`); ``block_forward`` runs a block on them.  Every rank runs the same number
+of forwards (FSDP2 all-gathers a block's weights in each), padding with a dummy batch that
+counts nothing.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn as nn
@@ -16,24 +19,128 @@ from sq.anatomy import decoder_blocks
 from sq.parallel.fsdp import unsharded
 
 CALIB_BATCH = 8  # samples per calibration forward
+# never replayed: a cache would carry one batch's (or one block's) state into the next forward
+_DROPPED = ("past_key_values", "past_key_value", "cache", "cache_params", "hidden_states")
 
 
 class _StopForward(Exception):
-    """Raised by the block-0 pre-hook once its inputs are captured."""
+    """Raised by the block-0 pre-hook (or the last block's recorder) once the inputs are captured."""
+
+
+class BlockKwargs(dict):
+    """Block 0's keyword arguments, and per later block the ones the model's loop gives it otherwise.
+
+    Hybrid and interleaved models hand their layers different arguments by layer type: Gemma-3's
+    global layers another rotary table and mask than its sliding ones, Qwen3-Next's linear-attention
+    layers another mask than its full-attention ones, Gemma-4 each layer its own per-layer input.
+    ``per_block`` maps a block module to its differences (by identity: one object per layer type).
+    """
+
+    def __init__(self, common: dict, per_block: dict | None = None):
+        super().__init__(common)
+        self.per_block: dict[nn.Module, dict] = per_block or {}
+
+
+def block_kwargs(kw: dict, block: nn.Module) -> dict:
+    """The keyword arguments ``block`` is called with: ``kw``, with ``block``'s own differences."""
+    extra = getattr(kw, "per_block", {}).get(block)
+    return {**kw, **extra} if extra else kw
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder block during capture: records the arguments the model's loop gives it
+    and hands the hidden states on untouched (alone, or as the first of ``width`` outputs: layers that
+    return a tuple, e.g. ``hidden, attn_weights = layer(...)``).
+    Attributes the loop reads (``attention_type``, ``layer_type``, ...) come from the real block."""
+
+    def __init__(self, block: nn.Module, sink: list, last: bool, width: int):
+        super().__init__()
+        object.__setattr__(self, "_sq_state", (block, sink, last, width))
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_sq_state")[0], name)
+
+    def forward(self, *args, **kwargs):
+        block, sink, last, width = self._sq_state
+        try:
+            bound = inspect.signature(block.forward).bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = {"hidden_states": args[0], **kwargs} if args else dict(kwargs)
+        bound = dict(bound)
+        for var in [k for k, p in inspect.signature(block.forward).parameters.items()
+                    if p.kind is inspect.Parameter.VAR_KEYWORD and k in bound]:
+            bound.update(bound.pop(var))  # **kwargs, flattened back into keywords
+        hidden = args[0] if args else kwargs["hidden_states"]
+        sink.append((hidden, bound))
+        if last:
+            raise _StopForward
+        return (hidden, *[None] * (width - 1)) if width else hidden
+
+
+def _replay_kwargs(bound: dict, first_name: str) -> dict:
+    kw = {k: v for k, v in bound.items() if k not in _DROPPED and k != first_name}
+    kw["use_cache"] = False
+    return kw
+
+
+def _capture_all(model: nn.Module, inner: nn.Module, blocks, batch: torch.Tensor) -> tuple[torch.Tensor, BlockKwargs] | None:
+    """One batch's block-0 inputs and every block's differences, by running the model's own loop
+    over recorders (no block computes); None where the loop does not pass the hidden states along
+    unchanged either way (a layer output it reshapes), so the caller falls back to block 0's."""
+    names = [prefix.rsplit(".", 1) for prefix, _ in blocks]
+    parents = [model.get_submodule(p) for p, _ in names]
+    for width in (0, 1, 2, 3):  # what the loop does with a layer's output: a tensor, or a tuple it indexes or unpacks
+        sink: list = []
+        saved = [(parent, leaf, parent._modules[leaf]) for parent, (_, leaf) in zip(parents, names)]
+        try:
+            for i, (parent, leaf, real) in enumerate(saved):
+                parent._modules[leaf] = _Recorder(real, sink, i == len(saved) - 1, width)
+            try:
+                inner(input_ids=batch, use_cache=False)
+            except _StopForward:
+                pass
+            except Exception:  # noqa: BLE001 - e.g. a tuple where the loop wanted a tensor: try the other way
+                continue
+        finally:
+            for parent, leaf, real in saved:
+                parent._modules[leaf] = real
+        h0 = sink[0][0] if sink else None
+        if len(sink) != len(blocks) or any(not isinstance(h, torch.Tensor) or h is not h0 for h, _ in sink):
+            continue
+        first = next(iter(inspect.signature(blocks[0][1].forward).parameters), "hidden_states")
+        kws = [_replay_kwargs(b, first) for _, b in sink]
+        per_block = {}
+        for (_, block), kw in zip(blocks[1:], kws[1:]):
+            diff = {k: v for k, v in kw.items() if k not in kws[0] or kws[0][k] is not v}
+            gone = [k for k in kws[0] if k not in kw]
+            if gone:  # a keyword block 0 gets and this one does not: its own default
+                diff.update({k: inspect.signature(block.forward).parameters[k].default for k in gone
+                             if k in inspect.signature(block.forward).parameters})
+            if diff:
+                per_block[block] = diff
+        return h0.detach(), BlockKwargs(kws[0], per_block)
+    return None
 
 
 def capture_block0(model: nn.Module, windows: torch.Tensor, device,
                    dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, dict]]:
-    """Block-0 inputs ``[(hidden [b, seq, d], kwargs), ...]`` for each batch of ``windows [n, seq]``.
+    """Block-0 inputs ``[(hidden [b, seq, d], kwargs), ...]`` for each batch of ``windows [n, seq]``;
+    each ``kwargs`` a :class:`BlockKwargs` that also holds what later blocks get otherwise.
 
     The root FSDP unit is bypassed: its lazy init would insist every block is materialized.
     The inner model's own root parameters are swapped for full copies for the duration
     (collective; cast to ``dtype``, the forwards' compute dtype, when given: the embeddings and
-    the rotary tables then come out in it), and a pre-hook on block 0 (ahead of FSDP's) stops
-    the forward.
+    the rotary tables then come out in it).  The model's own forward then runs with every block
+    replaced by a recorder (:class:`_Recorder`; the masks, rotary tables and per-layer inputs each
+    layer type gets); where that fails, a pre-hook on block 0 (ahead of FSDP's) stops the forward
+    and every block gets block 0's arguments.
     """
-    inner = model.get_submodule(decoder_blocks(model)[0][0].rsplit(".", 2)[0])
-    block0 = decoder_blocks(model)[0][1]
+    blocks = decoder_blocks(model)
+    inner = model.get_submodule(blocks[0][0].rsplit(".", 2)[0])
+    block0 = blocks[0][1]
     swapped = []
     for mname, mod in inner.named_modules():
         if mname.startswith("layers"):
@@ -49,21 +156,27 @@ def capture_block0(model: nn.Module, windows: torch.Tensor, device,
 
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "hidden_states")}
+        kw = {k: v for k, v in kwargs.items() if k not in _DROPPED}
         kw["use_cache"] = False
-        captured.append((hidden.detach(), kw))
+        captured.append((hidden.detach(), BlockKwargs(kw)))
         raise _StopForward
 
-    handle = block0.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     try:
         with torch.no_grad():
             for i in range(0, windows.shape[0], CALIB_BATCH):
+                batch = windows[i:i + CALIB_BATCH].to(device)
+                got = _capture_all(model, inner, blocks, batch)
+                if got is not None:
+                    captured.append(got)
+                    continue
+                handle = block0.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
                 try:
-                    inner(input_ids=windows[i:i + CALIB_BATCH].to(device), use_cache=False)
+                    inner(input_ids=batch, use_cache=False)
                 except _StopForward:
                     pass
+                finally:
+                    handle.remove()
     finally:
-        handle.remove()
         for mod, leaf, p in swapped:
             mod._parameters[leaf] = p
     return captured
@@ -81,7 +194,7 @@ def block_forward(block: nn.Module, inputs, steps: int, dummy, counters=()) -> l
             for c in counters:
                 c.on = real
             hidden, kw = inputs[i] if real else dummy
-            y = block(hidden, **kw)
+            y = block(hidden, **block_kwargs(kw, block))
             y = y[0] if isinstance(y, tuple) else y
             if real:
                 outs.append(y.detach())

@@ -59,6 +59,7 @@ from sq.parallel.collectives import all_gather_rows_autograd
 from sq.quant.settings import AlgoConfig, option
 from sq.quant import primitives, rtn
 from sq.quant.formats import required_reductions, spec_for
+from sq.quant.forward import block_kwargs
 from sq.quant.schemes import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -363,7 +364,7 @@ def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[T
     rank, world = dist.get_rank(), dist.get_world_size()
     fp_rows = torch.cat(fp_outputs)
     q_rows = torch.cat([h for h, _ in q_inputs])  # the same samples, in the same order
-    kw0, micro = q_inputs[0][1], q_inputs[0][0].shape[0]
+    kw0, micro = block_kwargs(q_inputs[0][1], block), q_inputs[0][0].shape[0]
     bs = min(cfg.batch_size, nsamples)
     # this rank's share of each step's batch, drawn from its own samples: every rank does the same work
     n_local = fp_rows.shape[0]
