@@ -272,7 +272,7 @@ def test_calibrated_jobs_are_refused_model_free(checkpoints, tmp_path, extra, ne
                    *extra], 2 if extra[1] == "gptq" else 1, timeout=120)
     assert res.returncode != 0
     lines = [line for line in res.stderr.splitlines() if line.startswith("sq: error:") and needle in line]
-    assert len(lines) == (2 if extra[1] == "gptq" else 1), res.stderr[-2000:]
+    assert len(lines) == 1, res.stderr[-2000:]  # at 2 ranks too: rank 0 speaks for all
     assert "model-free" in lines[0]
     assert not (tmp_path / "o").exists()
 

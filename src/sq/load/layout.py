@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from sq.anatomy import decoder_blocks, is_experts_module, routers
+from sq.anatomy import EXPERT_PARAMS, decoder_blocks, expert_layout_problem, is_experts_module, routers
 from sq.load.source import TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
                   and mod_name not in gates):
                 lay.linear[key] = mod_name
                 lay.names[key.removesuffix(".weight")] = mod_name
-            elif len(info.shape) == 3 and is_experts_module(mod) and _whole(p, targets[target]):
+            elif (len(info.shape) == 3 and pname in EXPERT_PARAMS and mod is not None
+                  and _whole(p, targets[target])):
                 _fused(lay, model, key, info, mod_name, pname)
     return lay
 
@@ -117,7 +118,8 @@ def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: 
         boxes = {f"{group}.{x}.down_proj.weight": (x, 0, rows) for x in range(e)}
     else:
         boxes = {}
-    ok = bool(boxes)
+    # split per expert only in the layout sq proves from the module ([E, out, in], gate then up)
+    ok = bool(boxes) and expert_layout_problem(model.get_submodule(mod_name)) is None
     if ok:
         fake = {k: TensorInfo(k, info.file, info.dtype, (n, cols), (0, 0)) for k, (_, _, n) in boxes.items()}
         try:
