@@ -96,6 +96,9 @@ class Slot:
     hi: int | None = None
     share: int = 0  # slots of a unit with the same value share one global scale (gate + up; not down)
     cols: tuple[int, int] | None = None  # copied as columns [c0, c1) of expert e, transposed to [out, in]
+    # copied into a box of the tensor ``out_prefix`` names (shape, offsets, lengths, stack dim): a tensor the
+    # checkpoint splits over several keys, written whole under the model's name (sq.load.layout.merged)
+    box: tuple | None = None
 
 
 @dataclass
@@ -230,6 +233,8 @@ def _role_by_layout(layout, k: str) -> tuple:
         return ("expert", group, None, leaf)
     if k in layout.transposed:
         return ("transposed", layout.transposed[k])
+    if k in layout.merged:
+        return ("merged", layout.merged[k])
     return ("kept",)
 
 
@@ -267,6 +272,9 @@ def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rena
         r = role(k, t)
         if r[0] == "transposed":  # carried per expert as [out, in] (sq.load.layout)
             moved += [Slot(k, name.removesuffix("weight"), x, cols=(c0, c1)) for name, x, c0, c1 in r[1]]
+        elif r[0] == "merged":  # one box of a tensor written whole under the model's name
+            target, *box = r[1]
+            moved.append(Slot(k, target, box=tuple(box)))
         elif r[0] == "expert":
             experts.setdefault(r[1], []).append((k, r[2], r[3]))
         elif r[0] == "router":
@@ -307,6 +315,7 @@ def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rena
         problems += _expert_units(plan, b, group, entries, tensors, assigner, kept, rename)
     if kept or moved:
         nbytes = sum(tensors[k].nbytes for k in kept) + sum(
+            tensors[s.key].nbytes if s.cols is None else
             tensors[s.key].nbytes * (s.cols[1] - s.cols[0]) // math.prod(tensors[s.key].shape[::2]) for s in moved)
         plan.units.append(Unit(b, [Slot(k, None) for k in kept] + moved, None, f"{plan.blocks[b]} (kept)", nbytes))
     return problems
@@ -624,7 +633,13 @@ def _quantize_unit(unit: Unit, fetched: list, reader: _Reader,
     if unit.scheme is None:
         out = {}
         for s, f in zip(unit.slots, fetched):
-            if s.cols is None:
+            if s.box is not None:  # a piece of a tensor written whole: into its box
+                shape, offsets, lengths, stack_dim = s.box
+                piece = reader.convert(s.key, f)
+                whole = out.setdefault(s.out_prefix, torch.empty(shape, dtype=piece.dtype))
+                box = whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+                box.copy_(piece.unsqueeze(stack_dim) if stack_dim is not None else piece)
+            elif s.cols is None:
                 out[s.key] = reader.convert(s.key, f)
             else:  # one expert's [in, out] columns, written as the [out, in] weight transformers loads
                 out[s.out_prefix + "weight"] = reader.convert(s.key, f, expert=True)[:, s.cols[0]:s.cols[1]].T.contiguous()

@@ -48,6 +48,11 @@ class Layout:
     # 3-D key stored [E, in, out] -> per-expert [out, in] pieces: (written name, expert, column range),
     # carried unquantized (transformers loads such experts as per-expert Linears only)
     transposed: dict[str, list[tuple[str, int, int, int]]] = field(default_factory=dict)
+    # unquantized tensors the checkpoint splits over several keys (per-expert keys of carried experts,
+    # Kimi's q/k/v conv weights) -> (model name, its shape, the key's box: offsets, lengths, stack dim):
+    # written whole under the model's name, as the model path writes them (CheckpointWeights.ckpt_tensors)
+    merged: dict[str, tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int | None]] = field(
+        default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)  # checkpoint module / experts prefix -> model name
     linears: list[str] = field(default_factory=list)  # every nn.Linear of the model (model names)
     routers: list[str] = field(default_factory=list)  # router modules (listed in ignore, as the model path)
@@ -101,6 +106,8 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
             elif (len(info.shape) == 3 and pname in EXPERT_PARAMS and mod is not None
                   and _whole(p, targets[target])):
                 _fused(lay, model, key, info, mod_name, pname)
+            elif block is not None and not _whole(p, targets[target]):
+                lay.merged[key] = (target, tuple(targets[target]), p.offsets, p.lengths, p.stack_dim)
     return lay
 
 
