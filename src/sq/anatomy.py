@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["decoder_blocks", "is_experts_module", "experts_modules", "EXPERT_PARAMS", "FUSED_PARTNERS",
            "partner_groups", "expert_layout_problem", "annotate_experts", "carried_experts", "expert_leaves",
-           "routers", "quantized_layout_problems"]
+           "routers", "quantization_patch", "quantized_layout_problems"]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -65,6 +65,11 @@ def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _fused_3d(mod: nn.Module) -> bool:
     p = mod._parameters
     return "down_proj" in p and p["down_proj"] is not None and p["down_proj"].dim() == 3
+
+
+def _three_d(mod: nn.Module) -> list:
+    """``mod``'s own 3-D parameters: fused experts of any layout (``[E, ., .]``)."""
+    return [t for t in mod._parameters.values() if t is not None and t.dim() == 3]
 
 
 def expert_layout_problem(mod: nn.Module) -> str | None:
@@ -118,7 +123,7 @@ def carried_experts(model: nn.Module) -> list[tuple[str, str]]:
     """``(name, reason)`` of every fused-experts module left unquantized (carried as it is)."""
     out = []
     for name, mod in model.named_modules():
-        if _fused_3d(mod) or any(t is not None and t.dim() == 3 for t in mod._parameters.values()):
+        if _three_d(mod):
             why = getattr(mod, "_sq_carried_reason", None) or expert_layout_problem(mod)
             if why is not None:
                 out.append((name, why))
@@ -199,7 +204,7 @@ def routers(model: nn.Module) -> list[str]:
     ``router.classifier``, ``gate.wg``, ``shared_expert_gate``)."""
     found: list[str] = []
     for name, mod in model.named_modules():
-        three_d = [t for t in mod._parameters.values() if t is not None and t.dim() == 3]
+        three_d = _three_d(mod)
         if not three_d:
             continue
         counts = {t.shape[0] for t in three_d}
@@ -230,22 +235,29 @@ def partner_groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def quantized_layout_problems(model: nn.Module) -> list[str]:
-    """Modules transformers swaps for another layout when it loads a compressed-tensors checkpoint
-    (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's fused ``[E, H, 2I]`` experts become per-expert
-    Linears), so a quantized checkpoint must hold that other layout: refused by name until sq writes it."""
+def quantization_patch(mod: nn.Module) -> type | None:
+    """The class transformers puts in place of ``mod`` when it loads a compressed-tensors checkpoint
+    (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's fused ``[E, H, 2I]`` experts become
+    ``SequentialLlama4TextExperts``, per-expert Linears), or None: a quantized checkpoint must hold
+    that class's layout."""
     try:
         from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION as patched
     except ImportError:
-        return []
-    found: dict[str, list[str]] = {}
+        return None
+    entry = patched.get(type(mod).__name__)
+    methods = [str(getattr(m, "value", m)) for m in (entry or {}).get("quantization_methods", [])]
+    return entry["module_name"] if entry and "compressed-tensors" in methods else None
+
+
+def quantized_layout_problems(model: nn.Module) -> list[str]:
+    """Modules transformers swaps for another layout when it loads a compressed-tensors checkpoint
+    (:func:`quantization_patch`): refused by name until sq writes that layout."""
+    found: dict[type, list[str]] = {}
     for name, mod in model.named_modules():
-        entry = patched.get(type(mod).__name__)
-        methods = [str(getattr(m, "value", m)) for m in (entry or {}).get("quantization_methods", [])]
-        if entry and "compressed-tensors" in methods:
-            found.setdefault(type(mod).__name__, []).append(name)
-    return [f"{cls} ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}): transformers loads a "
-            f"quantized checkpoint of this model with these modules replaced by "
-            f"{patched[cls]['module_name'].__name__} (per-expert Linears), a layout sq does not write yet; "
-            "no quantized output of this model would load"
+        if quantization_patch(mod) is not None:
+            found.setdefault(type(mod), []).append(name)
+    return [f"{cls.__name__} ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}): transformers "
+            f"loads a quantized checkpoint of this model with these modules replaced by "
+            f"{quantization_patch(model.get_submodule(names[0])).__name__} (per-expert Linears), a layout sq does "
+            "not write yet; no quantized output of this model would load"
             for cls, names in found.items()]

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, expert_layout_problem, is_experts_module, routers
+from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, expert_layout_problem, is_experts_module,
+                        quantization_patch, routers)
 from sq.load.source import TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -157,21 +158,17 @@ def _patched_split(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mo
     weights, so each expert's slab is written transposed under their names (carried, listed in
     ``ignore``).  The patched module's own Linear shapes prove the orientation; False where they
     do not (a square slab, another layout)."""
-    try:
-        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
-    except ImportError:
-        return False
     mod = model.get_submodule(mod_name)
-    spec = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(mod).__name__)
+    patch = quantization_patch(mod)
     group, _, leaf = key.rpartition(".")
     e, rows, cols = info.shape
-    if spec is None or rows == cols or leaf not in ("gate_up_proj", "down_proj"):
+    if patch is None or rows == cols or leaf not in EXPERT_PARAMS:
         return False
     try:
         import torch
 
         with torch.device("meta"):
-            patched = spec["module_name"](model.config.get_text_config())
+            patched = patch(model.config.get_text_config())
         shapes = {nm: tuple(patched[0].get_submodule(nm).weight.shape) for nm in ("gate_proj", "up_proj", "down_proj")}
     except Exception:  # noqa: BLE001 - a patch this code does not know how to read: carried fused
         return False

@@ -190,7 +190,7 @@ def _fresh_buffers(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]
                             f"({type(mod).__name__}): neither transformers' _init_weights nor a fresh "
                             "instance of the module sets it, and it is not in the checkpoint")
             continue
-        out[name] = value.detach().clone()
+        out[name] = value.detach()
     return {n: out[n].detach().clone() for n in nonpers if n in out}, problems
 
 

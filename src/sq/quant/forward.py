@@ -65,12 +65,13 @@ class _Recorder(nn.Module):
 
     def forward(self, *args, **kwargs):
         block, sink, last, width = self._sq_state
+        sig = inspect.signature(block.forward)
         try:
-            bound = inspect.signature(block.forward).bind_partial(*args, **kwargs).arguments
+            bound = sig.bind_partial(*args, **kwargs).arguments
         except TypeError:
             bound = {"hidden_states": args[0], **kwargs} if args else dict(kwargs)
         bound = dict(bound)
-        for var in [k for k, p in inspect.signature(block.forward).parameters.items()
+        for var in [k for k, p in sig.parameters.items()
                     if p.kind is inspect.Parameter.VAR_KEYWORD and k in bound]:
             bound.update(bound.pop(var))  # **kwargs, flattened back into keywords
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -117,8 +118,8 @@ def _capture_all(model: nn.Module, inner: nn.Module, blocks, batch: torch.Tensor
             diff = {k: v for k, v in kw.items() if k not in kws[0] or kws[0][k] is not v}
             gone = [k for k in kws[0] if k not in kw]
             if gone:  # a keyword block 0 gets and this one does not: its own default
-                diff.update({k: inspect.signature(block.forward).parameters[k].default for k in gone
-                             if k in inspect.signature(block.forward).parameters})
+                params = inspect.signature(block.forward).parameters
+                diff.update({k: params[k].default for k in gone if k in params})
             if diff:
                 per_block[block] = diff
         return h0.detach(), BlockKwargs(kws[0], per_block)

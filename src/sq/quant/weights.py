@@ -52,15 +52,22 @@ class CheckpointWeights:
     def free(self, names) -> None:
         free(self.model, self.plan, names)
 
+    def _one_key(self, target: str) -> str | None:
+        """The checkpoint key that fills ``target`` whole, or None where several keys (boxes) fill it."""
+        pieces = self.plan.keymap.pieces.get(target, [])
+        if (len(pieces) != 1 or pieces[0].stack_dim is not None
+                or tuple(pieces[0].lengths) != tuple(self.plan.targets[target]) or any(pieces[0].offsets)):
+            return None
+        return pieces[0].ckpt_key
+
     def ckpt_name(self, target: str) -> str:
         """The checkpoint key that fills ``target`` whole (dense: exact or suffix rule)."""
-        pieces = self.plan.keymap.pieces.get(target, [])
-        shape = tuple(self.plan.targets[target])
-        if (len(pieces) != 1 or pieces[0].stack_dim is not None or tuple(pieces[0].lengths) != shape
-                or any(pieces[0].offsets)):
-            raise SqError(f"{target} is filled from {len(pieces)} checkpoint piece(s) (fused/stacked layout); "
+        key = self._one_key(target)
+        if key is None:
+            n = len(self.plan.keymap.pieces.get(target, []))
+            raise SqError(f"{target} is filled from {n} checkpoint piece(s) (fused/stacked layout); "
                           "only one-to-one dense tensors can be exported yet")
-        return pieces[0].ckpt_key
+        return key
 
     def ckpt_tensors(self, target: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{name: tensor}`` to write unquantized model tensor ``target`` (its whole ``value``) under: its
@@ -68,10 +75,7 @@ class CheckpointWeights:
         (per-expert keys of experts left unquantized, Kimi's q/k/v conv weights): transformers 5 stacks
         or concatenates such keys while loading an unquantized checkpoint, but not while loading a
         compressed-tensors one, where the model's name loads as it is."""
-        pieces = self.plan.keymap.pieces.get(target, [])
-        if len(pieces) == 1 and pieces[0].stack_dim is None and not any(pieces[0].offsets):
-            return {pieces[0].ckpt_key: value.clone()}
-        return {target: value.clone()}
+        return {self._one_key(target) or target: value.clone()}
 
     @property
     def expert_pieces(self) -> dict:
