@@ -25,7 +25,7 @@ from test_ptq_moe import _same_bits
 
 GS = 16
 # (fixture, scheme): a dense model, per-expert and fused MoEs, an FP8 block-scaled DeepSeek-V3 (+ MTP)
-CASES = [("llama", "W4A16"), ("qwen3_moe", "FP8_BLOCK"), ("qwen3_moe_fused", "NVFP4A16"),
+CASES = [("llama", "W4A16"), ("qwen3_moe", "FP8_BLOCK"), ("qwen3_moe_fused", "NVFP4A16"), ("mixtral_fused", "W4A16"),
          ("deepseek_v3_fp8", "W4A16"), ("deepseek_v3_fp8", "NVFP4A16"), ("deepseek_v3", "recipe")]
 # mixed precision: experts FP8_BLOCK, attention NVFP4A16 but o_proj left out, the rest W4A16
 RECIPE = """default: W4A16

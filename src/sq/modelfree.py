@@ -229,8 +229,8 @@ def _role_by_layout(layout, k: str) -> tuple:
     if k in layout.expert:
         return ("expert", *layout.expert[k])
     if k in layout.fused:
-        group, leaf = layout.fused[k]
-        return ("expert", group, None, leaf)
+        group, leaf, leaves = layout.fused[k]
+        return ("expert", group, None, leaf, leaves)
     if k in layout.transposed:
         return ("transposed", layout.transposed[k])
     if k in layout.merged:
@@ -276,7 +276,7 @@ def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rena
             target, *box = r[1]
             moved.append(Slot(k, target, box=tuple(box)))
         elif r[0] == "expert":
-            experts.setdefault(r[1], []).append((k, r[2], r[3]))
+            experts.setdefault(r[1], []).append((k, r[2], r[3], r[4] if len(r) > 4 else ()))
         elif r[0] == "router":
             plan.unquantized.append(rename(k.removesuffix(".weight")))
             kept.append(k)
@@ -325,20 +325,18 @@ def _expert_units(plan: Plan, b: int, group: str, entries, tensors, assigner, ke
     """One unit per expert: its gate and up (sharing a global scale) and down."""
     scheme = assigner.assign(rename(group))
     if scheme is None:
-        kept.extend(k for k, _, _ in entries)
+        kept.extend(k for k, *_ in entries)
         return []
     problems: list[str] = []
     per: dict[int, list[Slot]] = {}
-    for k, e, leaf in entries:
+    for k, e, leaf, leaves in entries:
         shape = tensors[k].shape
-        if e is None:  # fused 3-D: written per expert, as transformers' per-expert layout
+        if e is None:  # fused 3-D: written per expert under the names sq.load.layout proved load back
+            step = shape[1] // len(leaves)
             for x in range(shape[0]):
-                if leaf == "down_proj":
-                    per.setdefault(x, []).append(Slot(k, f"{group}.{x}.down_proj.", x, 0, shape[1], 1))
-                else:
-                    half = shape[1] // 2
-                    per.setdefault(x, []).append(Slot(k, f"{group}.{x}.gate_proj.", x, 0, half))
-                    per.setdefault(x, []).append(Slot(k, f"{group}.{x}.up_proj.", x, half, shape[1]))
+                for j, nm in enumerate(leaves):
+                    per.setdefault(x, []).append(Slot(k, f"{group}.{x}.{nm}.", x, j * step, (j + 1) * step,
+                                                      share=1 if leaf == "down_proj" else 0))
         else:
             per.setdefault(e, []).append(Slot(k, k.removesuffix("weight"), share=0 if leaf in _GATE_LEAVES else 1))
         width = shape[-1]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, expert_layout_problem, is_experts_module,
+from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, expert_layout_problem, expert_leaves, is_experts_module,
                         quantization_patch, routers)
 from sq.load.source import TensorInfo
 
@@ -45,7 +45,8 @@ _EXPERT_KEY = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\
 class Layout:
     linear: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model module name
     expert: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # key -> (ckpt group, e, leaf)
-    fused: dict[str, tuple[str, str]] = field(default_factory=dict)  # 3-D key -> (ckpt group, leaf)
+    # 3-D key -> (ckpt group, its param, the per-expert names its rows are written under, in row order)
+    fused: dict[str, tuple[str, str, tuple[str, ...]]] = field(default_factory=dict)
     # 3-D key stored [E, in, out] -> per-expert [out, in] pieces: (written name, expert, column range),
     # carried unquantized (transformers loads such experts as per-expert Linears only)
     transposed: dict[str, list[tuple[str, int, int, int]]] = field(default_factory=dict)
@@ -119,15 +120,14 @@ def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: 
 
     group, _, leaf = key.rpartition(".")
     e, rows, cols = info.shape
-    if leaf == "gate_up_proj" and rows % 2 == 0:
-        boxes = {f"{group}.{x}.{nm}.weight": (x, lo, rows // 2) for x in range(e)
-                 for nm, lo in (("gate_proj", 0), ("up_proj", rows // 2))}
-    elif leaf == "down_proj":
-        boxes = {f"{group}.{x}.down_proj.weight": (x, 0, rows) for x in range(e)}
-    else:
-        boxes = {}
+    mod = model.get_submodule(mod_name)
+    # the per-expert names the model path writes too (the conversion mapping's: gate_proj / up_proj / down_proj,
+    # Mixtral's w1 / w3 / w2), each an equal share of the rows
+    leaves = expert_leaves(mod).get(leaf, ())
+    step = rows // len(leaves) if leaves and rows % len(leaves) == 0 else 0
+    boxes = {f"{group}.{x}.{nm}.weight": (x, j * step, step) for x in range(e) for j, nm in enumerate(leaves)}
     # split per expert only in the layout sq proves from the module ([E, out, in], gate then up)
-    ok = bool(boxes) and expert_layout_problem(model.get_submodule(mod_name)) is None
+    ok = bool(step) and expert_layout_problem(mod) is None
     if ok:
         fake = {k: TensorInfo(k, info.file, info.dtype, (n, cols), (0, 0)) for k, (_, _, n) in boxes.items()}
         try:
@@ -139,7 +139,7 @@ def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: 
         want = f"{mod_name}.{pname}"
         ok = all(got.get(k) == (want, (x, lo, 0), 0) for k, (x, lo, _) in boxes.items())
     if ok:
-        lay.fused[key] = (group, leaf)
+        lay.fused[key] = (group, leaf, leaves)
         lay.names[group] = mod_name
         return
     if _patched_split(lay, model, key, info, mod_name):

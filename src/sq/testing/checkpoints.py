@@ -20,6 +20,7 @@ On-disk key layouts (transformers 5.24, ``save_pretrained``):
   ``...experts.down_proj`` ``[E, H, I]`` (``save_original_format=False``).
 - ``mixtral``: ``model.layers.{i}.block_sparse_moe.experts.{e}.w{1,2,3}.weight`` and
   ``...block_sparse_moe.gate.weight`` (in memory: ``mlp.experts.gate_up_proj``, ``mlp.gate``).
+- ``mixtral_fused``: the ``mixtral`` model with fused ``mlp.experts.gate_up_proj`` / ``down_proj`` on disk.
 - ``deepseek_v3``: per-expert layout plus a hand-made MTP layer ``model.layers.{L}.*``
   (``L = num_hidden_layers``) in its own last shard.
 - ``deepseek_v3_fp8``: the ``deepseek_v3`` model in bf16, every ``*_proj.weight`` (MTP layer
@@ -113,6 +114,17 @@ def build_mixtral(
     if not any(re.search(r"\.block_sparse_moe\.experts\.\d+\.w1\.weight$", k) for k in keys):
         raise RuntimeError(f"{path}: save_pretrained no longer writes the Mixtral w1/w2/w3 layout")
     return path
+
+
+def build_mixtral_fused(
+    out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, shards: int = 4, **config
+) -> Path:
+    """The ``mixtral`` model saved in transformers' fused layout (``save_original_format=False``):
+    ``mlp.experts.gate_up_proj`` / ``down_proj`` on disk, whose per-expert names transformers loads
+    back are Mixtral's ``w1`` / ``w3`` / ``w2``, not ``gate_proj`` / ``up_proj`` / ``down_proj``."""
+    kwargs = _text_kwargs(config, dict(_MOE, num_local_experts=4, intermediate_size=48))
+    return build_checkpoint(out_dir, "mixtral", kwargs, seed=seed, dtype=dtype, shards=shards,
+                            save_original_format=False)[0]
 
 
 def build_deepseek_v3(
@@ -220,6 +232,7 @@ FIXTURES: dict[str, Callable[..., Path]] = {
     "qwen3_moe": build_qwen3_moe,
     "qwen3_moe_fused": build_qwen3_moe_fused,
     "mixtral": build_mixtral,
+    "mixtral_fused": build_mixtral_fused,
     "deepseek_v3": build_deepseek_v3,
     "deepseek_v3_fp8": build_deepseek_v3_fp8,
     "vlm": build_vlm,
