@@ -1,5 +1,6 @@
-"""The support matrix: every zoo model_type through GPTQ at 2 ranks (--ep 2 for MoE) and model-free RTN,
-each output proven by ``sq.testing.zoo.check_output``; writes docs/models.md.
+"""The support matrix: every zoo model_type through GPTQ W4A16 at 1 rank, at 2 ranks (--ep 2 for MoE) and
+model-free RTN W4A16, each output proven by ``sq.testing.zoo.check_output`` (or the refusal's first
+line); writes the table of docs/models.md below its ``<!-- matrix -->`` line.
 
     .venv/bin/python bench/zoo.py [--types llama gpt_oss ...] [--out docs/models.md]
 """
@@ -7,8 +8,9 @@ each output proven by ``sq.testing.zoo.check_output``; writes docs/models.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,38 +29,44 @@ def _run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
 
 
 def _cell(src: Path, out: Path, res: subprocess.CompletedProcess) -> tuple[str, str]:
+    """("ok" | "refused" | "FAILS" | "WRONG", a note: what was carried, or why not)."""
     if res.returncode != 0:
         err = [ln.removeprefix("sq: error: ") for ln in res.stderr.splitlines() if "sq: error:" in ln]
-        return "refused" if err else "FAILS", (err[0] if err else res.stderr.strip().splitlines()[-1])[:160]
+        return "refused" if err else "FAILS", (err[0] if err else res.stderr.strip().splitlines()[-1])[:200]
     try:
-        got = check_output(src, out)
+        check_output(src, out)
     except AssertionError as e:
         return "WRONG", str(e).splitlines()[-1][:160]
-    carried = json.loads((out / "config.json").read_text())["quantization_config"].get("ignore", [])
-    return "ok", f"{got['quantized']} quantized, {len(carried)} ignored"
+    carried = [ln.split("] ", 1)[-1] for ln in res.stderr.splitlines() if "carried unquantized" in ln]
+    note = re.sub(r" \(\d+ module\(s\), e\.g\. [^)]*\)", "", carried[0])[:200] if carried else ""
+    return "ok", note
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--types", nargs="*", default=[t for t, e in ZOO.items() if e.family != "vlm"])
+    p.add_argument("--types", nargs="*", default=list(ZOO))
     p.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="sq-zoo-") as tmp:
         for t in a.types:
             src = build_zoo(Path(tmp) / t, t)
-            moe = ZOO[t].family == "moe"
             base = ["--model", str(src), "--scheme", "W4A16", "--group-size", "8"]
-            g = Path(tmp) / f"{t}-gptq"
-            gptq = _cell(src, g, _run([*base, "--output", str(g), "--algo", "gptq", "--nsamples", "4", "--seqlen",
-                                       "32", *(["--ep", "2"] if moe else [])], 2))
-            m = Path(tmp) / f"{t}-mf"
-            mf = _cell(src, m, _run([*base, "--output", str(m), "--algo", "rtn", "--model-free"], 1))
-            rows.append((t, ZOO[t].family, gptq, mf))
-            print(t, gptq, mf, flush=True)
-    lines = ["| model_type | family | GPTQ W4A16, 2 ranks" + (" (--ep 2 for MoE)" if True else "") +
-             " | | model-free RTN W4A16 | |", "|---|---|---|---|---|---|"]
-    lines += [f"| `{t}` | {fam} | {g[0]} | {g[1]} | {m[0]} | {m[1]} |" for t, fam, g, m in rows]
+            gptq = ["--algo", "gptq", "--nsamples", "4", "--seqlen", "32"]
+            cells = []
+            for name, args, nproc in (("gptq1", gptq, 1), ("gptq2", gptq + (["--ep", "2"] if ZOO[t].moe else []), 2),
+                                      ("mf", ["--algo", "rtn", "--model-free"], 1)):
+                out = Path(tmp) / f"{t}-{name}"
+                cells.append(_cell(src, out, _run([*base, "--output", str(out), *args], nproc)))
+                shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(src)
+            rows.append((t, ZOO[t].family, cells))
+            print(t, cells, flush=True)
+    lines = ["| model_type | family | GPTQ, 1 rank | GPTQ, 2 ranks (`--ep 2` for MoE) | model-free RTN | notes |",
+             "|---|---|---|---|---|---|"]
+    for t, fam, cells in rows:
+        notes = "; ".join(dict.fromkeys(n for _, n in cells if n))
+        lines.append(f"| `{t}` | {fam} | " + " | ".join(c for c, _ in cells) + f" | {notes} |")
     doc = Path(a.out)
     head = doc.read_text().split("<!-- matrix -->")[0] if doc.exists() else "# Supported models\n\n"
     doc.write_text(head + "<!-- matrix -->\n" + "\n".join(lines) + "\n")

@@ -1,15 +1,18 @@
-"""The conformance zoo: every architecture family of ``sq.testing.zoo.ZOO`` through GPTQ W4A16 on the CLI.
+"""The conformance zoo: every model_type of ``sq.testing.zoo.ZOO`` (dense, MoE, hybrid, VLM) through the CLI.
 
-Each model_type's tiny seeded checkpoint is quantized at 2 ranks (``--ep 2`` for MoE: experts split over
-the ranks) and, for one type per family, at 1 rank; the output must load in transformers with no missing
-or unexpected keys and give the logits of the source with each quantized weight replaced by its
-dequantized value (``check_output``: an exact layout check, float tolerance only).  Types sq cannot write
-a loadable quantized layout for are refused by name, with exit 2 on every rank and nothing written.
-``docs/models.md`` is this matrix (``python bench/zoo.py`` regenerates it).
+Each type's tiny seeded checkpoint is quantized with GPTQ W4A16 at 2 ranks (``--ep 2`` for MoE: experts
+split over the ranks), and at 1 rank with GPTQ W4A16 and model-free RTN W4A16 (all 1-rank runs in one
+interpreter, ``zoo_one_rank``).  Every output must load in transformers (as the source's own class: a VLM
+as its ``*ForConditionalGeneration``) with no missing or unexpected keys, quantize no router and no vision
+tower, and give the logits of the source with each quantized weight replaced by its dequantized value
+(``check_output``: an exact layout check, float tolerance only).  Types sq cannot write a loadable quantized
+layout for are refused by name, with exit 2 on every rank and nothing written.  ``docs/models.md`` is this
+matrix (``python bench/zoo.py`` regenerates it).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,15 +21,39 @@ import pytest
 from harness import run_cli
 from sq.testing.zoo import ZOO, build_zoo, check_output
 
-TEXT = [t for t, e in ZOO.items() if e.family != "vlm"]
-# refused by name, with the words the message must hold
-REFUSED = {"llama4_text": "SequentialLlama4TextExperts"}
-ONE_RANK = {"llama", "gemma3_text", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "nemotron_h"}
+# refused by name on the model path (GPTQ), with the words the message must hold; model-free carries
+# their experts per expert
+REFUSED = {"llama4_text": "SequentialLlama4TextExperts", "llama4": "SequentialLlama4TextExperts"}
 
 
 @pytest.fixture(scope="module")
 def zoo_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture(scope="module")
+def sources(zoo_root) -> dict[str, Path]:
+    return {t: build_zoo(zoo_root / t, t) for t in ZOO}
+
+
+@pytest.fixture(scope="module")
+def one_rank(sources, zoo_root) -> dict[tuple[str, str], dict]:
+    res = run_cli(["zoo_one_rank", str(zoo_root), *sources], 1, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    records = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    return {(r["type"], r["mode"]): r for r in records}
+
+
+@pytest.mark.parametrize("mode", ["gptq", "model-free"])
+@pytest.mark.parametrize("model_type", list(ZOO))
+def test_zoo_one_rank(model_type, mode, one_rank):
+    r = one_rank[model_type, mode]
+    assert r["traceback"] is None, r["traceback"]
+    if mode == "gptq" and model_type in REFUSED:
+        assert r["rc"] == 2 and len(r["errors"]) == 1 and REFUSED[model_type] in r["errors"][0], r
+        return
+    assert r["rc"] == 0, r
+    assert isinstance(r["check"], dict), r["check"]
 
 
 def _args(src: Path, out: Path, moe: bool) -> list[str]:
@@ -35,23 +62,17 @@ def _args(src: Path, out: Path, moe: bool) -> list[str]:
     return args + (["--ep", "2"] if moe else [])
 
 
-@pytest.mark.parametrize("model_type", TEXT)
-def test_zoo_gptq(model_type, zoo_root):
-    src = build_zoo(zoo_root / model_type, model_type)
-    moe = ZOO[model_type].family == "moe"
-    worlds = (1, 2) if model_type in ONE_RANK else (2,)
-    for world in worlds:
-        out = zoo_root / f"{model_type}-out{world}"
-        # a refusal: every rank runs to its own exit (torchrun would stop the others at the first exit)
-        res = run_cli(_args(src, out, moe and world == 2), world, timeout=240,
-                      stop_on_failure=model_type not in REFUSED)
-        if model_type in REFUSED:
-            assert res.returncode != 0 and all(c == 2 for c in res.codes), res.output[-3000:]
-            assert REFUSED[model_type] in res.stderr and "Traceback" not in res.output, res.stderr[-3000:]
-            assert res.stderr.count("sq: error:") == 1, res.stderr  # rank 0 speaks for all
-            assert not (out / "config.json").exists()
-            continue
-        assert res.returncode == 0, res.output[-4000:]
-        check_output(src, out)
-        shutil.rmtree(out)
-    shutil.rmtree(src)
+@pytest.mark.parametrize("model_type", list(ZOO))
+def test_zoo_gptq_two_ranks(model_type, sources, zoo_root):
+    src, out = sources[model_type], zoo_root / f"{model_type}-gptq-2"
+    # a refusal: every rank runs to its own exit (torchrun would stop the others at the first exit)
+    res = run_cli(_args(src, out, ZOO[model_type].moe), 2, timeout=240, stop_on_failure=model_type not in REFUSED)
+    if model_type in REFUSED:
+        assert res.returncode != 0 and all(c == 2 for c in res.codes), res.output[-3000:]
+        assert REFUSED[model_type] in res.stderr and "Traceback" not in res.output, res.stderr[-3000:]
+        assert res.stderr.count("sq: error:") == 1, res.stderr  # rank 0 speaks for all
+        assert not (out / "config.json").exists()
+        return
+    assert res.returncode == 0, res.output[-4000:]
+    check_output(src, out)
+    shutil.rmtree(out)

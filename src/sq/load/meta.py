@@ -79,7 +79,11 @@ def build_skeleton(root: str | Path, *, dtype: torch.dtype | None = None, trust_
         name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
         dtype = _DTYPES.get(str(name).removeprefix("torch."), torch.bfloat16)
     last_error = None
-    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+    # the class config.json names first: a VLM config (Qwen3.5, ...) may also map to a text-only causal-LM
+    # class, whose names and modules are not those of the checkpoint the output must load as
+    autos = sorted((AutoModelForCausalLM, AutoModelForImageTextToText),
+                   key=lambda auto: _mapped_name(auto, config) not in (getattr(config, "architectures", None) or []))
+    for auto in autos:
         if type(config) not in auto._model_mapping and not (trust_remote_code and raw.get("auto_map")):
             continue
         try:
@@ -92,6 +96,11 @@ def build_skeleton(root: str | Path, *, dtype: torch.dtype | None = None, trust_
         return model.eval()
     raise LoadRefused(f"{root / 'config.json'}: no causal-LM or image-text-to-text class for model_type "
                       f"{raw.get('model_type')!r} ({last_error or 'not in transformers'})")
+
+
+def _mapped_name(auto, config) -> str | None:
+    cls = auto._model_mapping[type(config)] if type(config) in auto._model_mapping else None
+    return getattr(cls, "__name__", None)
 
 
 def model_type_problems(config: dict, root: Path, *, trust_remote_code: bool) -> list[str]:

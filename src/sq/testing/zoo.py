@@ -40,13 +40,16 @@ class ZooEntry:
     model_type: str
     family: str  # dense | moe | hybrid | vlm
     overrides: dict = field(default_factory=dict)
+    moe: bool = False  # routed experts (run with --ep 2)
 
 
-def _e(model_type: str, family: str, **overrides) -> ZooEntry:
-    return ZooEntry(model_type, family, overrides)
+def _e(model_type: str, family: str, *, moe: bool | None = None, **overrides) -> ZooEntry:
+    return ZooEntry(model_type, family, overrides, family == "moe" if moe is None else moe)
 
 
 _MLA = dict(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32)
+# multimodal rope: head_dim 16 / 2 frequencies over (time, height, width)
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
               mamba_d_conv=4, mamba_expand=2)
 _LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -68,7 +71,7 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("deepseek_v3", "moe", **_MLA),
     _e("deepseek_v32", "moe", **_MLA, index_head_dim=16, index_n_heads=2, index_topk=8,
        mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2),
-    _e("deepseek_v4", "moe"), _e("gpt_oss", "moe"),
+    _e("deepseek_v4", "moe", o_lora_rank=16), _e("gpt_oss", "moe"),
     _e("llama4_text", "moe"), _e("phimoe", "moe"), _e("granitemoe", "moe"), _e("granitemoeshared", "moe"),
     _e("olmoe", "moe"), _e("ernie4_5_moe", "moe"), _e("glm4_moe", "moe"), _e("dots1", "moe"),
     _e("hunyuan_v1_moe", "moe"),
@@ -88,10 +91,20 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("lfm2", "hybrid", layer_types=["conv", "full_attention"]),
     _e("bamba", "hybrid", **_MAMBA, attn_layer_indices=[1]),
     _e("granitemoehybrid", "hybrid", **_MAMBA, layer_types=["mamba", "attention"]),
-    # vision-language
-    _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm"), _e("qwen3_vl", "vlm"), _e("llama4", "vlm"),
-    _e("mistral3", "vlm"),
+    # vision-language: overrides go to text_config; the vision tower is tiny (_VISION)
+    _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm", rope_parameters=_MROPE), _e("qwen3_vl", "vlm"), _e("qwen3_vl_moe", "vlm", moe=True),
+    _e("qwen3_5", "vlm", **_LINEAR), _e("llama4", "vlm", moe=True), _e("mistral3", "vlm"), _e("llava", "vlm"),
+    _e("idefics3", "vlm"),
 ]}
+
+# a vision tower's sizes under every name the vision config classes use; its output width is the text
+# model's hidden size (the projector's input where a config names it)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
+               num_heads=2, head_dim=16, out_hidden_size=64, projection_dim=64, vision_output_dim=64,
+               projector_input_dim=64, projector_output_dim=64)
+# special-token ids (image, video, begin/end of image ...) go past the tokenizer's 512 ids, inside the
+# model's 528 rows: text calibration never produces one
+_SPECIAL_IDS = range(512, 528)
 
 
 def tiny_config(model_type: str) -> dict:
@@ -99,10 +112,27 @@ def tiny_config(model_type: str) -> dict:
     from transformers import AutoConfig
 
     entry = ZOO[model_type]
-    defaults = AutoConfig.for_model(model_type).to_dict()
+    config = AutoConfig.for_model(model_type)
+    if entry.family == "vlm":
+        return _vlm_config(config, entry.overrides)
     wanted = dict(_BASE, **_MOE) if entry.family in ("moe", "hybrid") else dict(_BASE)
+    defaults = config.to_dict()
     kwargs = {k: v for k, v in wanted.items() if k in defaults or k in _BASE}
     return kwargs | entry.overrides
+
+
+def _vlm_config(config, text_overrides: dict) -> dict:
+    """A tiny text model (MoE sizes where its class has them) beside a one-layer vision tower."""
+    text_defaults = config.text_config.to_dict()
+    text = {k: v for k, v in dict(_BASE, **_MOE).items() if k in text_defaults or k in _BASE} | text_overrides
+    vision_defaults = config.vision_config.to_dict()
+    vision = {k: v for k, v in _VISION.items() if k in vision_defaults}
+    top = dict(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    ids = iter(_SPECIAL_IDS)
+    for key, value in sorted(config.to_dict().items()):
+        if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int) and value >= 512:
+            top[key] = next(ids)
+    return top
 
 
 def build_zoo(out_dir: Path, model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -117,6 +147,8 @@ def build_zoo(out_dir: Path, model_type: str, *, seed: int = 0, dtype: torch.dty
 # ----------------------------------------------------------------------------- output check
 
 _ROUTER_LEAVES = ("gate", "router", "classifier", "shared_expert_gate", "wg")
+# module names of the vision side of the zoo's VLMs
+_VISION_PARTS = {"visual", "vision_tower", "vision_model", "multi_modal_projector", "connector"}
 
 
 def _unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: list[int],
@@ -168,6 +200,10 @@ def _load(path: Path, *, state_dict=None):
 def _logits(model, vocab: int) -> torch.Tensor:
     ids = torch.arange(3, 3 + 24).remainder(vocab).reshape(2, 12)
     with torch.no_grad():
+        if type(model).__name__ == "Llama4ForConditionalGeneration":
+            # its text-only forward fails building its output object: transformers 5.24 reads
+            # ``image_outputs`` from its language model's output, which has none
+            model.language_model.register_forward_hook(lambda _m, _a, out: setattr(out, "image_outputs", None))
         return model(input_ids=ids).logits.float()
 
 
@@ -207,6 +243,8 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
         leaf = name.rsplit(".", 2)[-2]
         if leaf in _ROUTER_LEAVES:
             problems.append(f"router {name!r} was quantized")
+        if any(part in _VISION_PARTS for part in name.split(".")):
+            problems.append(f"{name!r} of the vision tower / projector was quantized (carried by default)")
     if not deq:
         problems.append("no weight was quantized")
     if problems:

@@ -1,0 +1,56 @@
+"""``python -m zoo_one_rank ROOT TYPE...``: every zoo type at 1 rank through GPTQ W4A16 and model-free RTN W4A16,
+each in this one process (``sq.ptq.main``, the CLI's own entry point), each output proven by ``check_output``.
+
+One interpreter for the whole matrix: a fresh one per run would spend ~3 s of the 2 cores importing torch and
+transformers, ten times the run itself.  Prints one JSON line per run: ``{"type", "mode", "rc", "errors",
+"check"}`` where ``check`` is ``check_output``'s summary or its ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+MODES = {
+    "gptq": ["--algo", "gptq", "--nsamples", "4", "--seqlen", "32"],
+    "model-free": ["--algo", "rtn", "--model-free"],
+}
+
+
+def main(root: Path, types: list[str]) -> None:
+    from sq.ptq import main as ptq
+    from sq.testing.zoo import check_output
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(var, None)  # one rank, a private in-memory store: no port bound and released per run
+    for t in types:
+        src = root / t
+        for mode, args in MODES.items():
+            out = root / f"{t}-{mode}-1"
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    rc = ptq(["--model", str(src), "--output", str(out), "--scheme", "W4A16", "--group-size", "8",
+                              *args])
+                except Exception:  # noqa: BLE001 - a raw traceback is a finding: reported, the matrix goes on
+                    traceback.print_exc()
+                    rc = "raised"
+            text = err.getvalue()
+            record = {"type": t, "mode": mode, "rc": rc,
+                      "errors": [ln for ln in text.splitlines() if ln.startswith("sq: error:")],
+                      "traceback": text[text.find("Traceback"):][-3000:] if "Traceback" in text else None}
+            if rc == 0:
+                try:
+                    record["check"] = check_output(src, out)
+                except AssertionError as e:
+                    record["check"] = f"AssertionError: {e}"
+            print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
