@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 -m sq.inspect --model demo:smollm2 --ppl
 
 Every rank plans (mapping + refusals), shards and fills its part; rank 0 prints the plan
-summary and a per-rank table (shard bytes, disk bytes read, memory rise, time).  ``--ppl``
+summary (with the tensors of an FP8 or MXFP4 source dequantized while read) and a per-rank table
+(shard bytes, checkpoint bytes its boxes asked for, disk bytes read, memory rise, time).  ``--ppl``
 scores the sharded model data-parallel on the last windows of the corpus.
 """
 
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     plan = model.sq_plan
     mine = dict(
         rank=env.rank, load_s=round(load_s, 2), read_bytes=io_read_bytes() - io0,
+        asked_bytes=plan.reader().bytes_read,
         rss_rise=peak_rss_bytes() - rss0,
         shard_bytes=sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
     )
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
         model=str(path), architecture=type(model).__name__.removeprefix("FSDP"), world_size=env.world_size, ep=args.ep,
         checkpoint_bytes=plan.source.total_bytes, tensors=len(plan.source.tensors),
         blocks=len(plan.block_names), rules=dict(Counter(plan.keymap.rules().values())),
-        carried_over=len(plan.carried), ranks=per_rank,
+        carried_over=len(plan.carried), ranks=per_rank, dequantized=_dequantized(plan),
     )
     if args.ppl:
         from transformers import AutoTokenizer
@@ -110,6 +112,15 @@ def run(args: argparse.Namespace) -> dict:
     return report if env.rank == 0 else {}
 
 
+def _dequantized(plan) -> dict | None:
+    """What the reader dequantizes while reading: ``{"format", "tensors"}``, or None (a plain source)."""
+    if plan.mxfp4 is not None:
+        return {"format": "mxfp4", "tensors": len(plan.mxfp4.pairs)}
+    if plan.fp8 is not None:
+        return {"format": f"fp8 block {list(plan.fp8.block)}", "tensors": len(plan.fp8.scales)}
+    return None
+
+
 def _print(report: dict, as_json: bool) -> None:
     if not report:
         return
@@ -120,11 +131,14 @@ def _print(report: dict, as_json: bool) -> None:
     print(f"{report['architecture']} from {report['model']}: {report['tensors']} tensors, "
           f"{report['checkpoint_bytes'] * mb:.1f} MiB, {report['blocks']} blocks; rules {report['rules']}, "
           f"{report['carried_over']} carried over")
+    deq = report.get("dequantized")
+    if deq:
+        print(f"source {deq['format']}: {deq['tensors']} tensors dequantized while read, each rank its own boxes")
     print(f"world {report['world_size']}, ep {report['ep']}")
-    print("rank  shard MiB  read MiB  RSS rise MiB  load s")
+    print("rank  shard MiB  asked MiB  read MiB  RSS rise MiB  load s")
     for r in report["ranks"]:
-        print(f"{r['rank']:>4}  {r['shard_bytes'] * mb:>9.1f}  {r['read_bytes'] * mb:>8.1f}  "
-              f"{r['rss_rise'] * mb:>12.1f}  {r['load_s']:>6.2f}")
+        print(f"{r['rank']:>4}  {r['shard_bytes'] * mb:>9.1f}  {r['asked_bytes'] * mb:>9.2f}  "
+              f"{r['read_bytes'] * mb:>8.1f}  {r['rss_rise'] * mb:>12.1f}  {r['load_s']:>6.2f}")
     if "perplexity" in report:
         print(f"perplexity (sharded model, {report['ppl_tokens']} tokens): {report['perplexity']:.3f}")
 

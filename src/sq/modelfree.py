@@ -20,7 +20,8 @@ Classification (docs/model-free.md), inside decoder layers ``<prefix>.layers.<i>
 
 Outside the layers everything is kept; ``lm_head`` is listed in ``ignore``.  FP8 block-scaled
 sources are dequantized per tile (``sq.load.fp8.dequantize``) into the config's dtype, their scales
-dropped.  NVFP4-style global scales are shared by fused partners (``sq.anatomy.partner_groups``;
+dropped.  MXFP4 sources (gpt-oss) are refused: the model path reads them (``sq.load.mxfp4``).
+NVFP4-style global scales are shared by fused partners (``sq.anatomy.partner_groups``;
 an expert's gate and up), which always land on one unit: one rank, or all of them row-split together.
 
 Work: units (a partner group of Linears, one expert of a group, a layer's other tensors) go to
@@ -55,7 +56,7 @@ from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
 from sq.files import CARRIED_NAME, REPORT_NAME, safetensors_bytes, shard_name
-from sq.load import fp8
+from sq.load import fp8, mxfp4
 from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
 from sq.load.fill import data_start, pread_into
 from sq.load.source import open_checked, scan_checkpoint
@@ -831,6 +832,12 @@ def _prepare(cfg):
         problems += tokenizer_problems(src, trust_remote_code=cfg.trust_remote_code)  # copied: the user's word
         layout, fp8_problems = fp8.detect_fp8(source)
         problems += fp8_problems
+        if mxfp4.is_mxfp4(source.config):  # read by the model path only: one line, whatever else is wrong
+            problems.append(f"{src / 'config.json'}: the source is MXFP4 (quant_method 'mxfp4': gpt-oss' "
+                            "*_blocks / *_scales experts); model-free quantization does not read it: run without "
+                            "--model-free (the model path dequantizes each rank's experts while reading them)")
+        else:
+            problems += mxfp4.detect_mxfp4(source)[1]  # blocks / scales without an MXFP4 config
     plan = None
     if not problems:
         plan, more = classify(source, assigner, layout.scale_keys if layout is not None else set())

@@ -5,8 +5,8 @@ shard it belongs to, so a rank reads only what it holds.  A box that is one cont
 of its file (a row slice of a row-major tensor: an FSDP row shard, a whole per-expert tensor, an
 expert slice of a fused tensor) whose destination has the checkpoint's dtype is read with
 ``os.preadv`` into the shard (no mmap, no intermediate tensor), after ``POSIX_FADV_WILLNEED`` on
-all of the call's ranges; any other box (a column slice, a dtype conversion, an FP8 weight that
-is dequantized) goes through ``safe_open(...).get_slice``.  The reader's metadata comes from the
+all of the call's ranges; any other box (a column slice, a dtype conversion, an FP8 weight or an
+MXFP4 tensor that is dequantized) goes through ``safe_open(...).get_slice``.  The reader's metadata comes from the
 headers scanned once at planning (not re-parsed per block), and the planner is a small custom
 ``LoadPlanner`` whose read items are those boxes.  Every rank plans its own boxes, so
 ``dcp.load`` runs without collectives (``no_dist``); the caller agrees on errors (:func:`agree`).
@@ -145,9 +145,9 @@ class SqStorageReader(HuggingFaceStorageReader):
         self.bytes_read += n * self.source.tensors[req.storage_index.fqn].dtype.itemsize
 
     def _raw(self, key: str) -> bool:
-        """Whether ``key``'s bytes are what the model holds (not an FP8 weight dequantized while read)."""
-        layout = getattr(self, "layout", None)  # Fp8StorageReader
-        return layout is None or key not in layout.scales
+        """Whether ``key``'s bytes are what the model holds (a dequantizing reader says no for the
+        tensors it dequantizes while reading them)."""
+        return True
 
     def _open(self, stack: ExitStack, fds: dict, file: str) -> tuple[int, int]:
         """(fd, data start) of ``file``, opened once per call under the link rule, closed by ``stack``."""
@@ -160,7 +160,7 @@ class SqStorageReader(HuggingFaceStorageReader):
     def file_view(self, key: str, offsets, lengths, dtype: torch.dtype) -> torch.Tensor | None:
         """The box of ``key`` as a tensor over a private (copy-on-write) mapping of its file, or None
         where it must be read instead: not one contiguous range, not the checkpoint's bytes (a dtype
-        conversion, a dequantized FP8 weight), misaligned for its dtype, or past the file's end
+        conversion, a dequantized FP8 / MXFP4 tensor), misaligned for its dtype, or past the file's end
         (the read then reports the truncation).  Nothing is read here: pages come in when touched."""
         info = self.source.tensors[key]
         rng = byte_range(info, offsets, lengths)

@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from sq.load.fill import SqStorageReader
+from sq.load.mxfp4 import ACCEPTED as MXFP4_ACCEPTED
 from sq.load.source import CheckpointSource
 
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
@@ -72,8 +73,10 @@ def scale_box(offsets, lengths, block: tuple[int, int]) -> tuple[tuple[int, int]
 
 
 def quantization_config_problems(qc, cfg_path: Path) -> list[str]:
-    """Refusals for a source that is already quantized; [] for the FP8 block-scaled layout sq reads."""
-    only = f"only FP8 block-scaled sources ({ACCEPTED}) are read directly, dequantized on the fly"
+    """Refusals for a source that is already quantized; [] for the FP8 block-scaled layout sq reads.
+    (An MXFP4 config is judged by ``sq.load.mxfp4``: ``sq.load.meta.quantized_config_problems``.)"""
+    only = (f"only FP8 block-scaled sources ({ACCEPTED}) and MXFP4 sources ({MXFP4_ACCEPTED}) are read directly, "
+            "dequantized on the fly")
     if not isinstance(qc, dict):
         return [f"{cfg_path} has a quantization_config that is not an object ({qc!r}): the source is already "
                 f"quantized; {only}"]
@@ -211,6 +214,9 @@ class Fp8StorageReader(SqStorageReader):
     def __init__(self, source: CheckpointSource, layout: Fp8Layout, thread_count: int = 1):
         super().__init__(source, thread_count=thread_count)
         self.layout = layout
+
+    def _raw(self, key: str) -> bool:
+        return key not in self.layout.scales
 
     def _process_read_request(self, f, req, planner) -> None:
         key = req.storage_index.fqn

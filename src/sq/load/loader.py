@@ -26,6 +26,9 @@ from sq.load.fill import SqStorageReader, agree, dcp_read, fsdp_reset, module_of
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
+from sq.load.mxfp4 import ACCEPTED as MXFP4_ACCEPTED
+from sq.load.mxfp4 import Mxfp4Layout, Mxfp4StorageReader, blocks_and_scales, detect_mxfp4
+from sq.load.mxfp4 import dequantize as dequantize_mxfp4
 from sq.anatomy import decoder_blocks
 from sq.load.meta import build_skeleton, config_problems, tokenizer_problems
 from sq.load.source import CheckpointSource, scan_checkpoint
@@ -51,21 +54,28 @@ class LoadPlan:
     _reader: SqStorageReader | None = None
     state: dict[str, str] = field(default_factory=dict)  # target -> "meta" | "empty" | "filled"
     fp8: Fp8Layout | None = None  # FP8 block-scaled source: weights dequantized while read
-    dtype: torch.dtype = torch.bfloat16  # the model's dtype (what FP8 weights become)
+    dtype: torch.dtype = torch.bfloat16  # the model's dtype (what FP8 / MXFP4 weights become)
+    mxfp4: Mxfp4Layout | None = None  # MXFP4 source (gpt-oss): blocks + scales read as one dequantized tensor
 
     @property
     def carried(self) -> list[str]:
-        """Checkpoint keys with no slot in the model; FP8 scales are consumed, never listed."""
+        """Checkpoint keys with no slot in the model; FP8 scales and MXFP4 blocks / scales are
+        consumed, never listed (an MXFP4 tensor with no slot is listed under its dequantized name)."""
         return self.keymap.carried
 
     def reader(self) -> SqStorageReader:
         if self._reader is None:
-            self._reader = (SqStorageReader(self.source) if self.fp8 is None
-                            else Fp8StorageReader(self.source, self.fp8))
+            if self.mxfp4 is not None:
+                self._reader = Mxfp4StorageReader(self.source, self.mxfp4)
+            elif self.fp8 is not None:
+                self._reader = Fp8StorageReader(self.source, self.fp8)
+            else:
+                self._reader = SqStorageReader(self.source)
         return self._reader
 
     def read_carried(self) -> dict[str, torch.Tensor]:
-        """The carried-over tensors (rank 0 writes them): raw bytes, except FP8 weights, dequantized.
+        """The carried-over tensors (rank 0 writes them): raw bytes, except FP8 weights and MXFP4
+        tensors, dequantized.
 
         An FP8 source's MTP layer would otherwise land in the output as FP8 next to a
         compressed-tensors config that does not describe its scales; dequantized, it is what a
@@ -75,6 +85,9 @@ class LoadPlan:
 
         out = {}
         for key in self.carried:
+            if self.mxfp4 is not None and key in self.mxfp4.pairs:
+                out[key] = dequantize_mxfp4(self.source, self.mxfp4.pairs[key], self.dtype)
+                continue
             info = self.source.tensors[key]
             with safe_open(str(self.source.path(info.file)), framework="pt") as f:
                 out[key] = f.get_tensor(key)
@@ -204,21 +217,30 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
                                 allow_quantized=allow_quantized)
     problems += tokenizer_problems(source.root, trust_remote_code=trust_remote_code)
     fp8, fp8_problems = detect_fp8(source)
+    mx, mx_problems = detect_mxfp4(source)
+    packed = set() if mx is None else blocks_and_scales(source)  # read through their tensor, or named
     if not allow_quantized:
-        problems += fp8_problems
+        problems += fp8_problems + mx_problems
         # in an FP8 source, detect_fp8 has checked (or named) every float8 tensor
         checked = (torch.float8_e4m3fn, torch.float8_e5m2) if fp8 is not None else ()
-        qt = sorted(k for k, t in source.tensors.items() if t.dtype in QUANTIZED_DTYPES and t.dtype not in checked)
-        if qt:
+        qt = sorted(k for k, t in source.tensors.items()
+                    if t.dtype in QUANTIZED_DTYPES and t.dtype not in checked and k not in packed)
+        if qt and not (mx is None and mx_problems):  # uint8 blocks without an MXFP4 config: named above
             problems.append(f"{len(qt)} checkpoint tensors hold int/fp8 data (e.g. {qt[0]!r} "
                             f"{source.tensors[qt[0]].dtype} in {source.tensors[qt[0]].file}): already quantized; "
-                            f"of quantized sources only FP8 block-scaled ones ({FP8_ACCEPTED}) are read")
+                            f"of quantized sources only FP8 block-scaled ones ({FP8_ACCEPTED}) and MXFP4 ones "
+                            f"({MXFP4_ACCEPTED}) are read")
     problems += root_param_problems(model)
     targets, aliases = model_targets(model)
-    # an FP8 source's scales are consumed by their weights: mapped to nothing, never carried over
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    # an FP8 source's scales are consumed by their weights: mapped to nothing, never carried over; an MXFP4
+    # pair stands in the key map as the one tensor it dequantizes to
     scale_keys = set() if fp8 is None else {k for k in source.tensors if k.endswith(".weight" + SCALE_SUFFIX)}
-    keymap = build_keymap(model, {k: t for k, t in source.tensors.items() if k not in scale_keys})
-    problems += keymap.problems
+    ckpt = {k: t for k, t in source.tensors.items() if k not in scale_keys and k not in packed}
+    if mx is not None:
+        ckpt.update(mx.tensors(dtype))
+    keymap = build_keymap(model, ckpt)
+    problems += keymap.problems if mx is None else mx.describe(keymap.problems)
 
     filled_numel = 0
     for t, shape in targets.items():
@@ -251,9 +273,8 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
     in_blocks = {t for names in block_names for t in names}
     root_names = [t for t in targets if t not in in_blocks]
     state = {t: "meta" for t in targets}
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     return LoadPlan(source, keymap, targets, prefixes, block_names, root_names, buffers, state=state,
-                    fp8=fp8, dtype=dtype)
+                    fp8=fp8, dtype=dtype, mxfp4=mx)
 
 
 def _retie(model: nn.Module, plan: LoadPlan, names) -> None:

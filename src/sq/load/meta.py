@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from sq.anatomy import annotate_experts
 from sq.errors import LoadRefused, SqError
-from sq.load.fp8 import quantization_config_problems
+from sq.load import fp8, mxfp4
 from sq.load.source import link_problem, read_checked, read_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -24,9 +24,17 @@ def config_problems(config: dict, root: Path, *, trust_remote_code: bool, allow_
             f"{root / 'config.json'} has auto_map {sorted(config['auto_map'])}: the model needs its own Python code; "
             "pass --trust-remote-code only if you trust the checkpoint's author")
     qc = config.get("quantization_config")
-    if qc and not allow_quantized:  # FP8 block-scaled is read (dequantized on the fly); the rest is refused
-        problems += quantization_config_problems(qc, root / "config.json")
+    if qc and not allow_quantized:  # FP8 block-scaled and MXFP4 are read (dequantized on the fly); the rest refused
+        problems += quantized_config_problems(qc, root / "config.json")
     return problems
+
+
+def quantized_config_problems(qc, cfg_path: Path) -> list[str]:
+    """[] for a ``quantization_config`` whose weights sq dequantizes while reading them (FP8
+    block-scaled: ``sq.load.fp8``; MXFP4: ``sq.load.mxfp4``), else why it is refused."""
+    if isinstance(qc, dict) and qc.get("quant_method") == mxfp4.QUANT_METHOD:
+        return mxfp4.quantization_config_problems(qc, cfg_path)
+    return fp8.quantization_config_problems(qc, cfg_path)
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
