@@ -81,6 +81,7 @@ class _resharded:
 
 def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration, tokenizer, dataset, nsamples,
               seqlen, seed, ignore, recipe, resume, **settings) -> dict:
+    from sq.agree import agree, argument_facts
     from sq.anatomy import annotate_experts
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed
@@ -109,6 +110,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     all_ok(not problems, "API argument checks")
     if problems:
         raise SqError(problems)
+    agree(argument_facts(cfg, skip=("fault",)), "arguments")  # before any collective the arguments decide
     annotate_experts(model)  # which fused experts sq quantizes, under which per-expert names
     problems = cfg.problems()
     assigner = weights = None

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load as st_load
 
+from sq.agree import agree, argument_facts, job_facts
 from sq.dist import rank0_stage, uses_nccl
 from sq.errors import SqError
 from sq.export import writer
@@ -852,7 +853,8 @@ def _prepare(cfg):
 def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) -> dict:
     """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
     writes what) only when there are any, so signatures without splits stay as they were."""
-    sig = {"mode": "model-free", "source": source_identity(source), "job": cfg.signature_args(calibrated=False),
+    hashes = content_hashes(source) if cfg.verify_source == "content" else None
+    sig = {"mode": "model-free", "source": source_identity(source, hashes), "job": cfg.signature_args(calibrated=False),
            "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
            "world_size": world, "blocks": plan.blocks, "versions": versions()}
     if split:
@@ -865,6 +867,7 @@ def quantize_checkpoint(cfg) -> dict:
     """``sq.ptq --model-free``: a checkpoint folder in, a compressed-tensors checkpoint out, no model
     built.  Runs inside an initialized process group; the report on rank 0, ``{}`` elsewhere."""
     t_start = time.perf_counter()
+    agree(argument_facts(cfg), "arguments")  # before any collective the arguments decide
     plan, reader, source, assigner = _prepare(cfg)
     try:
         return _run(cfg, plan, reader, source, assigner, t_start)
@@ -879,6 +882,7 @@ def _run(cfg, plan: Plan, reader: _Reader, source, assigner, t_start: float) -> 
     owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
     sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
     state = RunState(out, rank, enabled=cfg.bookkeeping)
+    agree(job_facts(sig, output=str(out.absolute()), config=source.config), "job")
     if claim_output(out, sig, cfg.resume, state, rank) == "complete":
         logger.info("%s is already complete (same model and settings); nothing to do", out)
         return {"complete": True}

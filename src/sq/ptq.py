@@ -86,6 +86,10 @@ def build_parser() -> ArgParser:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the checkpoint's own modeling and tokenizer code (auto_map); only if you trust "
                         "its author (default: refused)")
+    p.add_argument("--verify-source", default=job["verify_source"], choices=("stat", "content"),
+                   help="how a source shard is identified for resume and across ranks: stat (size and header; "
+                        "resume also compares the modification time) or content (every shard's SHA-256, read "
+                        "once per node: for shards edited in place, or node-local copies)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="leave Linears whose weights hold NaN/Inf unquantized (listed in the config's ignore) "
                         "instead of refusing the run")
@@ -106,7 +110,7 @@ def parse_args(argv=None, with_model_free: bool = False):
                      group_size=a.group_size, nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
-                     skip_nonfinite=a.skip_nonfinite, trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache,
+                     skip_nonfinite=a.skip_nonfinite, verify_source=a.verify_source, trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache,
                      calib_dtype=a.calib_dtype,
                      fault=os.environ.get("SQ_FAULT"))
     return (cfg, a.model_free) if with_model_free else cfg

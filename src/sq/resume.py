@@ -18,6 +18,7 @@ kept; everything after is redone exactly as an uninterrupted run would.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -83,14 +84,22 @@ def file_ok(path: Path, record: dict) -> bool:
 # ---------------------------------------------------------------- signature
 
 
-def source_identity(source) -> dict:
-    """Config and index content, and every shard's name, size and mtime."""
+def source_identity(source, hashes: dict[str, str] | None = None) -> dict:
+    """Config and index content, every tensor's header entry, and every shard's name, size and
+    mtime, or with ``hashes`` (``--verify-source content``: ``sq.agree.content_hashes``) its SHA-256."""
     root = Path(source.root)
     ident = {"config_sha256": sha256_file(root / "config.json")}
     index = root / INDEX_NAME
     if index.is_file():
         ident["index_sha256"] = sha256_file(index)
-    ident["files"] = {f: [(root / f).stat().st_size, (root / f).stat().st_mtime_ns] for f in source.files}
+    headers = hashlib.sha256()
+    for key in sorted(source.tensors):
+        t = source.tensors[key]
+        headers.update(f"{key}\0{t.file}\0{t.dtype}\0{list(t.shape)}\0{list(t.offsets)}\n".encode())
+    ident["headers_sha256"] = headers.hexdigest()
+    ident["files"] = {f: {"size": (root / f).stat().st_size,
+                          **({"sha256": hashes[f]} if hashes else {"mtime_ns": (root / f).stat().st_mtime_ns})}
+                      for f in source.files}
     return ident
 
 

@@ -30,6 +30,7 @@ from sq.load.meta import build_skeleton
 from sq.parallel.fsdp import apply_parallel
 from sq.quant.activations import KV_CACHE_SCHEMES, observes_activations
 from sq.quant.algorithms import AlgoConfig, algo_config, make_algorithm
+from sq.agree import agree, argument_facts
 from sq.quant.gptq import GPTQConfig
 from sq.quant.pipeline import raise_all, run_pipeline
 from sq.quant.recipe import make_assigner
@@ -79,6 +80,7 @@ class PTQConfig:
     kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
     calib_dtype: str = "auto"  # auto | float32 | model: what calibration forwards compute in (compute_dtype)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
+    verify_source: str = "stat"  # stat | content: how the resume signature and the ranks identify source shards
     trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
@@ -99,6 +101,8 @@ class PTQConfig:
     def problems(self) -> list[str]:
         """Argument refusals (identical on every rank)."""
         out = []
+        if self.verify_source not in ("stat", "content"):
+            problems.append(f"--verify-source must be stat or content, got {self.verify_source!r}")
         if self.resume not in ("auto", "never", "require"):
             out.append(f"--resume must be auto, never or require, got {self.resume!r}")
         if not isinstance(self.algo, AlgoConfig):
@@ -179,7 +183,7 @@ class PTQConfig:
         # skip_nonfinite decides only what happens to a non-finite weight, which refuses the run
         # without it: a rerun that adds the flag continues the blocks already done
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite",
-                  "algo", "algo_settings", "trust_remote_code"):
+                  "algo", "algo_settings", "trust_remote_code", "verify_source"):
             d.pop(k)
         if not calibrated:
             for k in CALIBRATION_FIELDS:
@@ -221,6 +225,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     t_start = time.perf_counter()
     world = dist.get_world_size()
     device = _device()
+    agree(argument_facts(cfg), "arguments")  # before any collective the arguments decide
     raise_all(cfg.problems(), "argument checks")
     assigner, problems = None, []
     try:
@@ -234,7 +239,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     plan = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
     if cfg.ep is None:
         cfg = dataclasses.replace(cfg, ep=auto_ep(model, world, make_algorithm(cfg.algo)))
-    weights = CheckpointWeights(model, plan, src, device)
+    weights = CheckpointWeights(model, plan, src, device, verify_source=cfg.verify_source)
     text = tokenizer = None
     if cfg.needs_data(assigner):  # rank 0 reads the dataset (a hub dataset downloads once); chat records need the tokenizer
         tokenizer = load_tokenizer(src, model, purpose=f"{cfg.data_reason(assigner)} calibrates on data tokenized with it",

@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from sq.agree import agree, job_facts
 from sq.dist import all_ok, broadcast_object, rank0_stage, uses_nccl
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
-from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, shard_name, written_by_sq
+from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, sha256_bytes, shard_name, written_by_sq
 from sq.load.fill import local_box
 from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups, quantized_layout_problems,
                         routers)
@@ -398,6 +399,10 @@ class _Pipeline:
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
             self.sig["job"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
+        tokens = self.windows() if self.calibrated else None
+        agree(job_facts(self.sig, output=str(self.out.absolute()), config=self.weights.config,
+                        tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes())),
+              "job")
         raise_all(problems, "model and output checks")
         if claim_output(self.out, self.sig, cfg.resume, self.state, self.rank) == "complete":
             logger.info("%s is already complete (same model and settings); nothing to do", self.out)

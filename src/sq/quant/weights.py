@@ -29,6 +29,7 @@ from sq.export import writer
 from sq.files import CARRIED_NAME
 from sq.load.loader import LoadPlan, fill, free
 from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
+from sq.agree import content_hashes
 from sq.resume import source_identity
 
 
@@ -36,12 +37,19 @@ from sq.resume import source_identity
 class CheckpointWeights:
     """Block tensors streamed from a checkpoint through the load plan."""
 
-    def __init__(self, model: nn.Module, plan: LoadPlan, src: Path, device: torch.device):
+    def __init__(self, model: nn.Module, plan: LoadPlan, src: Path, device: torch.device, *,
+                 verify_source: str = "stat"):
         self.model, self.plan, self.src, self.device = model, plan, Path(src), device
+        self.verify_source = verify_source
 
     @property
     def root_names(self) -> list[str]:
         return self.plan.root_names
+
+    @property
+    def config(self) -> dict:
+        """The source's config.json as read."""
+        return self.plan.source.config
 
     def block_names(self, b: int) -> list[str]:
         return self.plan.block_names[b]
@@ -90,7 +98,9 @@ class CheckpointWeights:
         return list(self.plan.carried)
 
     def identity(self) -> dict:
-        return source_identity(self.plan.source)
+        """The source's identity for the resume signature (a collective with ``--verify-source content``)."""
+        hashes = content_hashes(self.plan.source) if self.verify_source == "content" else None
+        return source_identity(self.plan.source, hashes)
 
     def write_extras(self, out: Path) -> dict[str, str]:
         """Checkpoint tensors the model has no slot for (rank 0): byte for byte, except FP8 block-scaled
