@@ -167,3 +167,18 @@ def test_a_shard_edited_in_place_with_its_mtime_restored(llama_ckpt, tmp_path, v
     else:
         assert res.returncode != 0 and "different settings (source.files." in res.stderr, res.output[-3000:]
         assert "sha256" in res.stderr
+
+
+def test_a_stopped_rank_is_an_sq_error_naming_it_and_the_rerun_resumes(llama_ckpt, tmp_path):
+    """Rank 1 SIGSTOPped at block 1 with --timeout 10: rank 0 says which rank stopped answering and that the
+    same command resumes (no raw gloo traceback); the rerun resumes at block 1."""
+    out = tmp_path / "out"
+    args = ["sq.ptq", "--model", str(llama_ckpt), "--output", str(out), *JOB[:-1], "10"]
+    res = run_cli(args, 2, timeout=180, env={"SQ_FAULT": "stop:1:1"})
+    assert res.codes[0] == 3, (res.codes, res.output[-3000:])
+    rank0 = [ln for ln in res.stderr.splitlines() if ln.startswith("sq: error: rank 0:")]
+    assert len(rank0) == 1 and "rank(s) [1]" in rank0[0] and "rerun the same command" in rank0[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    again = run_cli(args, 2, timeout=180)
+    assert again.returncode == 0, again.output[-3000:]
+    assert "resuming at block 1" in again.output, again.output[-3000:]

@@ -69,11 +69,57 @@ def run_cli(body: Callable[[], object]) -> int:
         sys.stderr.flush()
         _settle()
         return 2
+    except Exception as e:  # noqa: BLE001 - only a collective's timeout is reported here; anything else re-raises
+        if not collective_timed_out(e):
+            raise
+        print(f"sq: error: {_timeout_message()}", file=sys.stderr)
+        sys.stderr.flush()
+        return 3
     finally:
         try:
             destroy_distributed()
         except Exception:
             pass
+
+
+def collective_timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is a collective or store operation that gave up waiting for another rank (gloo's
+    "Timed out waiting ...ms", NCCL's watchdog, the store's socket timeout)."""
+    import torch.distributed as dist
+
+    kinds = (RuntimeError, TimeoutError, dist.DistError)
+    text = str(e).lower()
+    return isinstance(e, kinds) and ("timed out" in text or "timeout" in text)
+
+
+def _timeout_message(window_s: float = 10.0) -> str:
+    """This rank's ``sq: error:`` for a collective timeout: which ranks did not report the same within
+    ``window_s`` (the one that stopped answering is among them), and that a rerun resumes.
+
+    Each rank that timed out marks itself in the process group's key-value store; a rank that is
+    stopped, dead or stuck cannot.  Where the store itself is gone (its host, rank 0 under torchrun,
+    stopped or died), that is what is said."""
+    import time
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    head = f"rank {rank}: a collective timed out (--timeout) waiting for another rank"
+    tail = "rerun the same command: it resumes from the last block every rank finished"
+    try:
+        store = dist.PrefixStore("sq-timeout/", dist.distributed_c10d._get_default_store())
+        store.set(str(rank), "1")
+        deadline = time.monotonic() + window_s
+        while True:
+            silent = [r for r in range(world) if not store.check([str(r)])]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - the store's host is gone too
+        return f"{head}; rank 0 (which hosts the job's key-value store) stopped answering too; {tail}"
+    who = (f"rank(s) {silent} did not report the timeout within {window_s:.0f} s (stopped, dead or stuck)"
+           if silent else "every rank reports it (a rank was too slow: a larger --timeout may help)")
+    return f"{head}; {who}; {tail}"
 
 
 def summarize(problems: list[str], keep: int = 3) -> list[str]:

@@ -38,7 +38,7 @@ from sq.files import (INDEX_NAME, RUN_DIR, SHARD_PATTERN, safetensors_bytes, sha
 
 logger = logging.getLogger(__name__)
 
-FAULT_POINTS = ("calib", "after-shard-write", "mid-shard-write", "manifest-replace", "index-merge", "enospc")
+FAULT_POINTS = ("calib", "after-shard-write", "mid-shard-write", "manifest-replace", "index-merge", "enospc", "stop")
 
 
 # ---------------------------------------------------------------- fault injection (tests only)
@@ -46,7 +46,8 @@ FAULT_POINTS = ("calib", "after-shard-write", "mid-shard-write", "manifest-repla
 
 @dataclass(frozen=True)
 class Fault:
-    """``point:rank[:block]`` from the test-only ``SQ_FAULT`` variable: SIGKILL there."""
+    """``point:rank[:block]`` from the test-only ``SQ_FAULT`` variable: SIGKILL there (``stop``: SIGSTOP
+    when the block's solve starts, a rank that hangs without dying)."""
 
     point: str
     rank: int
@@ -67,8 +68,9 @@ class Fault:
 
 def maybe_die(fault: Fault | None, point: str, rank: int, block: int | None = None) -> None:
     if fault is not None and fault.hit(point, rank, block):
-        logger.warning("fault injection: SIGKILL at %s (rank %d, block %s)", point, rank, block)
-        os.kill(os.getpid(), signal.SIGKILL)
+        how = signal.SIGSTOP if point == "stop" else signal.SIGKILL
+        logger.warning("fault injection: %s at %s (rank %d, block %s)", how.name, point, rank, block)
+        os.kill(os.getpid(), how)
 
 
 # ---------------------------------------------------------------- verification (writes: sq.files)

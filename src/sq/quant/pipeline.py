@@ -390,6 +390,17 @@ class _Pipeline:
         # resume bookkeeping seconds by block (checksums, chain cache, manifest), spent in the background
         self.book_s: dict[int, float] = {}
 
+    def _fault_point(self, point: str, b: int) -> None:
+        """Test-only (``SQ_FAULT``) kill or stop inside block ``b``'s computation, fired once every rank's files
+        of the blocks before ``b`` are durable: the background writer runs up to one block behind, so
+        without this wait what the kill leaves (and where the rerun resumes) would depend on timing."""
+        f = self.fault
+        if f is None or f.point != point or (f.block is not None and f.block != b):
+            return
+        self.files.wait()
+        dist.barrier()
+        maybe_die(f, point, self.rank, b)
+
     # ---- before anything is mutated
     def claim(self) -> bool:
         """Refusals, then the output folder; False when the folder is already complete."""
@@ -468,9 +479,10 @@ class _Pipeline:
             work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy)
         if self.algo.calibrated:
             self.algo.observe(work)
-            maybe_die(self.fault, "calib", self.rank, b)
+            self._fault_point("calib", b)
             phase["calibrate"] = time.perf_counter() - t
         t = time.perf_counter()
+        self._fault_point("stop", b)
         results, expert_q = self._solve(work)
         phase["solve"] = time.perf_counter() - t
         self._layer_errors(work, results)
