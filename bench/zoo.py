@@ -3,11 +3,15 @@ model-free RTN W4A16, each output proven by ``sq.testing.zoo.check_output`` (or 
 line); writes the table of docs/models.md below its ``<!-- matrix -->`` line.
 
     .venv/bin/python bench/zoo.py [--types llama gpt_oss ...] [--out docs/models.md]
+
+The 1-rank runs share one interpreter (``sq.testing.zoo_one_rank``, as ``tests/test_zoo.py`` runs them);
+each 2-rank run is a torchrun launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -19,27 +23,49 @@ from pathlib import Path
 from sq.testing.zoo import ZOO, build_zoo, check_output
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-              if nproc > 1 else [sys.executable])
-    return subprocess.run(launch + ["-m", "sq.ptq", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _note(lines: list[str]) -> str:
+    """The first 'carried unquantized' log line, without its module count."""
+    if not lines:
+        return ""
+    return re.sub(r" \(\d+ module\(s\), e\.g\. [^)]*\)", "", lines[0].split("] ", 1)[-1])[:200]
 
 
-def _cell(src: Path, out: Path, res: subprocess.CompletedProcess) -> tuple[str, str]:
-    """("ok" | "refused" | "FAILS" | "WRONG", a note: what was carried, or why not)."""
+def _one_rank(root: Path, types: list[str]) -> dict[tuple[str, str], tuple[str, str]]:
+    res = subprocess.run([sys.executable, "-m", "sq.testing.zoo_one_rank", str(root), *types], capture_output=True,
+                         text=True, timeout=3600, env=ENV)
+    cells = {}
+    for line in res.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        if r["rc"] == 0 and isinstance(r.get("check"), dict):
+            cell = ("ok", _note(r["carried"]))
+        elif r["rc"] == 0:
+            cell = ("WRONG", str(r.get("check")).splitlines()[-1][:200])
+        elif r["errors"]:
+            cell = ("refused", r["errors"][0].removeprefix("sq: error: ")[:200])
+        else:
+            cell = ("FAILS", (r.get("traceback") or "").strip().splitlines()[-1:][0][:200] if r.get("traceback") else "")
+        cells[r["type"], r["mode"]] = cell
+    return cells
+
+
+def _two_ranks(src: Path, out: Path, moe: bool) -> tuple[str, str]:
+    args = ["--model", str(src), "--output", str(out), "--scheme", "W4A16", "--group-size", "8", "--algo", "gptq",
+            "--nsamples", "4", "--seqlen", "32", *(["--ep", "2"] if moe else [])]
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "sq.ptq", *args], capture_output=True, text=True, timeout=600, env=ENV)
     if res.returncode != 0:
         err = [ln.removeprefix("sq: error: ") for ln in res.stderr.splitlines() if "sq: error:" in ln]
         return "refused" if err else "FAILS", (err[0] if err else res.stderr.strip().splitlines()[-1])[:200]
     try:
         check_output(src, out)
     except AssertionError as e:
-        return "WRONG", str(e).splitlines()[-1][:160]
-    carried = [ln.split("] ", 1)[-1] for ln in res.stderr.splitlines() if "carried unquantized" in ln]
-    note = re.sub(r" \(\d+ module\(s\), e\.g\. [^)]*\)", "", carried[0])[:200] if carried else ""
-    return "ok", note
+        return "WRONG", str(e).splitlines()[-1][:200]
+    return "ok", _note([ln for ln in res.stderr.splitlines() if "carried unquantized" in ln])
 
 
 def main() -> None:
@@ -49,17 +75,14 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="sq-zoo-") as tmp:
+        root = Path(tmp)
         for t in a.types:
-            src = build_zoo(Path(tmp) / t, t)
-            base = ["--model", str(src), "--scheme", "W4A16", "--group-size", "8"]
-            gptq = ["--algo", "gptq", "--nsamples", "4", "--seqlen", "32"]
-            cells = []
-            for name, args, nproc in (("gptq1", gptq, 1), ("gptq2", gptq + (["--ep", "2"] if ZOO[t].moe else []), 2),
-                                      ("mf", ["--algo", "rtn", "--model-free"], 1)):
-                out = Path(tmp) / f"{t}-{name}"
-                cells.append(_cell(src, out, _run([*base, "--output", str(out), *args], nproc)))
-                shutil.rmtree(out, ignore_errors=True)
-            shutil.rmtree(src)
+            build_zoo(root / t, t)
+        one = _one_rank(root, a.types)
+        for t in a.types:
+            two = _two_ranks(root / t, root / f"{t}-gptq-2", ZOO[t].moe)
+            shutil.rmtree(root / f"{t}-gptq-2", ignore_errors=True)
+            cells = [one.get((t, "gptq"), ("FAILS", "no result")), two, one.get((t, "model-free"), ("FAILS", "no result"))]
             rows.append((t, ZOO[t].family, cells))
             print(t, cells, flush=True)
     lines = ["| model_type | family | GPTQ, 1 rank | GPTQ, 2 ranks (`--ep 2` for MoE) | model-free RTN | notes |",

@@ -2,7 +2,7 @@
 
 Each type's tiny seeded checkpoint is quantized with GPTQ W4A16 at 2 ranks (``--ep 2`` for MoE: experts
 split over the ranks), and at 1 rank with GPTQ W4A16 and model-free RTN W4A16 (all 1-rank runs in one
-interpreter, ``zoo_one_rank``).  Every output must load in transformers (as the source's own class: a VLM
+interpreter, ``sq.testing.zoo_one_rank``).  Every output must load in transformers (as the source's own class: a VLM
 as its ``*ForConditionalGeneration``) with no missing or unexpected keys, quantize no router and no vision
 tower, and give the logits of the source with each quantized weight replaced by its dequantized value
 (``check_output``: an exact layout check, float tolerance only).  Types sq cannot write a loadable quantized
@@ -38,7 +38,7 @@ def sources(zoo_root) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def one_rank(sources, zoo_root) -> dict[tuple[str, str], dict]:
-    res = run_cli(["zoo_one_rank", str(zoo_root), *sources], 1, timeout=900)
+    res = run_cli(["sq.testing.zoo_one_rank", str(zoo_root), *sources], 1, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     records = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     return {(r["type"], r["mode"]): r for r in records}

@@ -1,9 +1,11 @@
-"""``python -m zoo_one_rank ROOT TYPE...``: every zoo type at 1 rank through GPTQ W4A16 and model-free RTN W4A16,
+"""``python -m sq.testing.zoo_one_rank ROOT TYPE...``: every zoo type at 1 rank through GPTQ W4A16 and model-free RTN W4A16,
 each in this one process (``sq.ptq.main``, the CLI's own entry point), each output proven by ``check_output``.
 
 One interpreter for the whole matrix: a fresh one per run would spend ~3 s of the 2 cores importing torch and
 transformers, ten times the run itself.  Prints one JSON line per run: ``{"type", "mode", "rc", "errors",
-"check"}`` where ``check`` is ``check_output``'s summary or its ``AssertionError``.
+"traceback", "carried", "check"}`` where ``carried`` holds the logged reasons for what was carried unquantized
+and ``check`` is ``check_output``'s summary or its ``AssertionError``.  ``tests/test_zoo.py`` and
+``bench/zoo.py`` run it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import sys
 import traceback
@@ -33,6 +36,8 @@ def main(root: Path, types: list[str]) -> None:
         for mode, args in MODES.items():
             out = root / f"{t}-{mode}-1"
             err = io.StringIO()
+            handler = logging.StreamHandler(err)  # sq's log lines: what was carried and why
+            logging.getLogger("sq").addHandler(handler)
             with contextlib.redirect_stderr(err):
                 try:
                     rc = ptq(["--model", str(src), "--output", str(out), "--scheme", "W4A16", "--group-size", "8",
@@ -40,10 +45,12 @@ def main(root: Path, types: list[str]) -> None:
                 except Exception:  # noqa: BLE001 - a raw traceback is a finding: reported, the matrix goes on
                     traceback.print_exc()
                     rc = "raised"
+            logging.getLogger("sq").removeHandler(handler)
             text = err.getvalue()
             record = {"type": t, "mode": mode, "rc": rc,
                       "errors": [ln for ln in text.splitlines() if ln.startswith("sq: error:")],
-                      "traceback": text[text.find("Traceback"):][-3000:] if "Traceback" in text else None}
+                      "traceback": text[text.find("Traceback"):][-3000:] if "Traceback" in text else None,
+                      "carried": sorted({ln for ln in text.splitlines() if "carried unquantized" in ln})}
             if rc == 0:
                 try:
                     record["check"] = check_output(src, out)
