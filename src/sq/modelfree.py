@@ -13,7 +13,9 @@ Classification (docs/model-free.md), inside decoder layers ``<prefix>.layers.<i>
   the whole ``.weight`` of a non-router ``nn.Linear`` in a decoder block is quantized, per-expert
   tensors the conversion mapping stacks are quantized per expert, a fused 3-D tensor only where its
   per-expert names load back; everything else (norms, conv, SSM parameters, routers, 3-D tensors
-  with no per-expert layout transformers loads) is carried as it is;
+  with no per-expert layout transformers loads) is carried as it is; a tensor the Hub stores transposed
+  against its parameter (the conversion mapping's ``Transpose``, Qwen3-VL-MoE's experts) is carried as
+  stored where its parameter would be carried, and refused by name where it would be quantized;
 - otherwise from names and shapes: 2-D projections (``*_proj``, ``w1/w2/w3``, ``fc1/fc2``...) and
   per-expert ``experts.<e>.<proj>.weight`` quantized, 1-D tensors and routers kept, anything else
   (every 3-D tensor: its orientation cannot be proven) refused by name (``--ignore`` keeps it).
@@ -226,6 +228,8 @@ def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
 
 
 def _role_by_layout(layout, k: str) -> tuple:
+    if k in layout.refused:  # stored transposed where the model's layout would quantize or split it
+        return ("refuse", layout.refused[k])
     if k in layout.linear:
         return ("dense",)
     if k in layout.expert:
@@ -291,7 +295,8 @@ def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rena
             plan.unquantized.append(rename(k.removesuffix(".weight")))
             kept.append(k)
         else:
-            problems.append(_refusal(k, t))
+            problems.append(_refusal(k, t) if len(r) == 1 else f"{r[1]}; pass --ignore "
+                            f"'{re.escape(k.removesuffix('.weight'))}' to leave it as it is")
     for name, key in dense.items():
         scheme = assigner.assign(rename(name))
         if scheme is None:

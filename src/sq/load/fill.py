@@ -5,10 +5,12 @@ shard it belongs to, so a rank reads only what it holds.  A box that is one cont
 of its file (a row slice of a row-major tensor: an FSDP row shard, a whole per-expert tensor, an
 expert slice of a fused tensor) whose destination has the checkpoint's dtype is read with
 ``os.preadv`` into the shard (no mmap, no intermediate tensor), after ``POSIX_FADV_WILLNEED`` on
-all of the call's ranges; any other box (a column slice, a dtype conversion, an FP8 weight or an
-MXFP4 tensor that is dequantized) goes through ``safe_open(...).get_slice``.  The reader's metadata comes from the
-headers scanned once at planning (not re-parsed per block), and the planner is a small custom
-``LoadPlanner`` whose read items are those boxes.  Every rank plans its own boxes, so
+all of the call's ranges; any other box (a column slice, a dtype conversion, an FP8 weight) goes
+through ``safe_open(...).get_slice``.  A tensor the key map sees in another form than its stored bytes
+(an MXFP4 pair dequantized, a Hub tensor stored transposed) is a :class:`BoxTransform` the reader holds
+by name: a box of it reads only the stored boxes it needs and writes the model's values.  The reader's
+metadata comes from the headers scanned once at planning (not re-parsed per block), and the planner is
+a small custom ``LoadPlanner`` whose read items are those boxes.  Every rank plans its own boxes, so
 ``dcp.load`` runs without collectives (``no_dist``); the caller agrees on errors (:func:`agree`).
 
 ``fill(..., map_files=True)`` (``load_sharded`` on CPU) reads nothing for a parameter whose whole
@@ -20,6 +22,7 @@ writing to the parameter copies only the written pages and never changes the fil
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import struct
@@ -41,7 +44,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.futures import Future
 
 from sq.errors import LoadRefused
-from sq.load.keymap import Piece
+from sq.load.keymap import Piece, swap_dims
 from sq.load.source import CheckpointSource, TensorInfo, open_checked
 from sq.parallel.fsdp import fsdp_param_groups
 
@@ -111,11 +114,125 @@ def pread_into(fd: int, buf: torch.Tensor, offset: int, path) -> None:
         done += got
 
 
+class ReadFiles:
+    """The files one read call opens, each once, all closed by ``stack`` on every path: raw descriptors
+    for ``preadv`` (under the link rule, :func:`open_checked`) and safetensors handles for ``get_slice``."""
+
+    def __init__(self, source: CheckpointSource, stack: ExitStack, direct: bool = True):
+        self.source, self.stack, self.direct = source, stack, direct
+        self._fds: dict[str, tuple[int, int]] = {}
+        self._safe: dict[str, object] = {}
+
+    def fd(self, file: str) -> tuple[int, int]:
+        """(fd, data start) of ``file``."""
+        if file not in self._fds:
+            path = self.source.path(file)  # the file (or link target) checked when the folder was scanned
+            fd = self.stack.enter_context(open_checked(path.parent, path.name)).fileno()
+            self._fds[file] = fd, data_start(fd, path)
+        return self._fds[file]
+
+    def slice(self, info: TensorInfo):
+        """``safe_open(...).get_slice(key)`` of ``info``'s tensor."""
+        if info.file not in self._safe:
+            from safetensors import safe_open
+
+            self._safe[info.file] = self.stack.enter_context(safe_open(str(self.source.path(info.file)),
+                                                                       framework="pt"))
+        return self._safe[info.file].get_slice(info.key)
+
+    def read_box(self, info: TensorInfo, offsets, lengths) -> tuple[torch.Tensor, bool]:
+        """The box ``offsets + lengths`` of ``info``'s tensor as stored (a new CPU tensor), and whether it
+        was read with ``preadv`` (one contiguous byte range, ``direct``) rather than through safetensors."""
+        rng = byte_range(info, offsets, lengths) if self.direct else None
+        if rng is not None and rng[1]:
+            fd, start = self.fd(info.file)
+            buf = torch.empty(tuple(lengths), dtype=info.dtype)
+            pread_into(fd, buf, start + rng[0], self.source.path(info.file))
+            return buf, True
+        return self.slice(info)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))], False
+
+
+class BoxTransform:
+    """A tensor the key map sees (``shape``, in the model's layout) that the reader makes from stored
+    tensors while it reads a box of it: an MXFP4 pair dequantized (``sq.load.mxfp4``), a tensor the Hub
+    stores transposed (:class:`Transposed`).  ``file`` is where its (first) stored tensor lives."""
+
+    shape: tuple[int, ...]
+    file: str
+
+    def sources(self, offsets, lengths) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """The stored boxes ``(key, offsets, lengths)`` a read of this box touches (the prefetch hint)."""
+        raise NotImplementedError
+
+    def read_into(self, files: ReadFiles, dest: torch.Tensor, offsets, lengths) -> int:
+        """Write the box into ``dest`` (its shape, any dtype and device); return the stored bytes read."""
+        raise NotImplementedError
+
+
+TRANSPOSE_CHUNK_ELEMENTS = 1 << 24  # stored elements read per step of a transposed box (32 MiB of bf16)
+
+
+def _sub_boxes(offsets, lengths, limit: int):
+    """``(offsets, lengths)`` pieces of a box, each at most ``limit`` elements (one element at least):
+    steps along the first dimension whose trailing part of the box fits, every earlier dimension one
+    index at a time, so each piece of a row-major box whose trailing dimensions are whole stays one
+    contiguous byte range (an expert slab ``[e0:e1, :, :]`` reads as whole experts)."""
+    offsets, lengths = tuple(offsets), tuple(lengths)
+    if 0 in lengths:
+        return
+    k, inner = len(lengths) - 1, 1
+    while k > 0 and inner * lengths[k] <= limit:
+        inner *= lengths[k]
+        k -= 1
+    if inner * lengths[k] <= limit:  # the whole box fits
+        yield offsets, lengths
+        return
+    step = max(1, limit // inner)
+    for head in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:k], lengths[:k]))):
+        for i in range(offsets[k], offsets[k] + lengths[k], step):
+            n = min(step, offsets[k] + lengths[k] - i)
+            yield (*head, i, *offsets[k + 1:]), (*(1,) * k, n, *lengths[k + 1:])
+
+
+class Transposed(BoxTransform):
+    """A checkpoint tensor stored with two dimensions swapped against the model parameter it fills
+    (Qwen3-VL-MoE's experts on the Hub: ``gate_up_proj [E, H, 2I]`` for the model's ``[E, 2I, H]``;
+    transformers' ``Transpose`` conversion).  A box of the model's tensor reads the stored box with those
+    dimensions swapped, piece by piece (``TRANSPOSE_CHUNK_ELEMENTS`` at most; an expert slab is whole
+    experts, one ``preadv`` each), and writes it transposed into the destination."""
+
+    def __init__(self, info: TensorInfo, dims: tuple[int, int]):
+        self.info, self.dims = info, tuple(dims)
+        self.shape = swap_dims(info.shape, self.dims)
+        self.file = info.file
+
+    def sources(self, offsets, lengths):
+        return [(self.info.key, swap_dims(offsets, self.dims), swap_dims(lengths, self.dims))]
+
+    def read_into(self, files: ReadFiles, dest: torch.Tensor, offsets, lengths) -> int:
+        if tuple(dest.shape) != tuple(lengths):
+            raise ValueError(f"destination {list(dest.shape)} does not match the box {list(lengths)}")
+        s_off, s_len = swap_dims(offsets, self.dims), swap_dims(lengths, self.dims)
+        stored = dest.transpose(*self.dims)  # a view of dest in the stored orientation
+        nbytes = 0
+        for c_off, c_len in _sub_boxes(s_off, s_len, TRANSPOSE_CHUNK_ELEMENTS):
+            buf, _ = files.read_box(self.info, c_off, c_len)
+            stored[tuple(slice(c - o, c - o + n) for c, o, n in zip(c_off, s_off, c_len))].copy_(
+                buf.to(dest.device, non_blocking=False))
+            nbytes += buf.numel() * buf.element_size()
+        return nbytes
+
+
 class SqStorageReader(HuggingFaceStorageReader):
     """HuggingFaceStorageReader whose metadata comes from sq's own header scan (index files only),
-    reading contiguous boxes with ``os.preadv`` (see the module docstring)."""
+    reading contiguous boxes with ``os.preadv`` (see the module docstring).
 
-    def __init__(self, source: CheckpointSource, thread_count: int = 1):
+    ``transforms``: tensors (by the name the key map sees) the reader makes from stored tensors while
+    reading a box of them (:class:`BoxTransform`: MXFP4 pairs dequantized, tensors stored transposed);
+    their metadata has the model's shape.  Every other tensor is read as stored."""
+
+    def __init__(self, source: CheckpointSource, thread_count: int = 1,
+                 transforms: dict[str, BoxTransform] | None = None):
         super().__init__(str(source.root), thread_count=thread_count)
         from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 
@@ -125,6 +242,13 @@ class SqStorageReader(HuggingFaceStorageReader):
             sd_md[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape),
                                                [ChunkStorageMetadata(zeros, torch.Size(t.shape))])
             storage[MetadataIndex(key, zeros)] = _HFStorageInfo(str(source.path(t.file)), torch.Size(t.shape), t.dtype)
+        self.transforms: dict[str, BoxTransform] = dict(transforms or {})
+        for key, tf in self.transforms.items():
+            zeros = torch.Size([0] * len(tf.shape))
+            sd_md[key] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(tf.shape),
+                                               [ChunkStorageMetadata(zeros, torch.Size(tf.shape))])
+            storage[MetadataIndex(key, zeros)] = _HFStorageInfo(str(source.path(tf.file)), torch.Size(tf.shape),
+                                                                torch.bfloat16)
         self._metadata = Metadata(state_dict_metadata=sd_md, storage_data=storage)
         self.source = source
         self.bytes_read = 0  # checkpoint bytes this rank's boxes covered (what it asked the files for)
@@ -145,26 +269,20 @@ class SqStorageReader(HuggingFaceStorageReader):
         self.bytes_read += n * self.source.tensors[req.storage_index.fqn].dtype.itemsize
 
     def _raw(self, key: str) -> bool:
-        """Whether ``key``'s bytes are what the model holds (a dequantizing reader says no for the
-        tensors it dequantizes while reading them)."""
-        return True
-
-    def _open(self, stack: ExitStack, fds: dict, file: str) -> tuple[int, int]:
-        """(fd, data start) of ``file``, opened once per call under the link rule, closed by ``stack``."""
-        if file not in fds:
-            path = self.source.path(file)  # the file (or link target) checked when the folder was scanned
-            fd = stack.enter_context(open_checked(path.parent, path.name)).fileno()
-            fds[file] = fd, data_start(fd, path)
-        return fds[file]
+        """Whether ``key``'s bytes are what the model holds (no for a transform, and for the FP8 weights a
+        dequantizing reader dequantizes while reading them)."""
+        return key not in self.transforms
 
     def file_view(self, key: str, offsets, lengths, dtype: torch.dtype) -> torch.Tensor | None:
         """The box of ``key`` as a tensor over a private (copy-on-write) mapping of its file, or None
         where it must be read instead: not one contiguous range, not the checkpoint's bytes (a dtype
         conversion, a dequantized FP8 / MXFP4 tensor), misaligned for its dtype, or past the file's end
         (the read then reports the truncation).  Nothing is read here: pages come in when touched."""
+        if not self._raw(key):
+            return None
         info = self.source.tensors[key]
         rng = byte_range(info, offsets, lengths)
-        if rng is None or not rng[1] or not self._raw(key) or dtype != info.dtype:
+        if rng is None or not rng[1] or dtype != info.dtype:
             return None
         if info.file not in self._maps:
             path = self.source.path(info.file)  # the link rule, as for every read
@@ -185,28 +303,46 @@ class SqStorageReader(HuggingFaceStorageReader):
 
     def will_need(self, boxes) -> None:
         """``POSIX_FADV_WILLNEED`` on the byte ranges of ``boxes`` (``(key, offsets, lengths)``) that are
-        contiguous: the kernel starts reading them now.  A hint: files are opened and closed here."""
+        contiguous: the kernel starts reading them now; a transform's box stands for the stored boxes it
+        reads.  A hint: files are opened and closed here."""
         per_file: dict[str, list] = {}
-        for key, offsets, lengths in boxes:
+        for key, offsets, lengths in self._stored(boxes):
             info = self.source.tensors[key]
             rng = byte_range(info, offsets, lengths)
             if rng is not None and rng[1]:
                 per_file.setdefault(info.file, []).append(rng)
         with ExitStack() as stack:
-            self._hint(stack, {}, per_file)
+            self._hint(ReadFiles(self.source, stack), per_file)
 
-    def _hint(self, stack: ExitStack, fds: dict, per_file: dict[str, list]) -> None:
+    def _stored(self, boxes):
+        """``boxes`` with each box of a transform replaced by the stored boxes it reads."""
+        for key, offsets, lengths in boxes:
+            tf = self.transforms.get(key)
+            if tf is None:
+                yield key, offsets, lengths
+            else:
+                yield from tf.sources(offsets, lengths)
+
+    def _hint(self, files: ReadFiles, per_file: dict[str, list]) -> None:
         """WILLNEED on ``per_file``'s ranges (file -> [(offset in its data section, nbytes)])."""
         for file, ranges in per_file.items():
-            fd, start = self._open(stack, fds, file)
+            fd, start = files.fd(file)
             _will_need(fd, [(start + off, n) for off, n in ranges])
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         direct: dict[str, list] = {}  # file -> [(offset in its data section, nbytes, item, dest)]
         mapped: dict[str, list[ReadItem]] = {}  # path -> items read through safetensors
         hints: dict[str, list] = {}  # file -> every contiguous range of the call, whichever path reads it
+        made = [it for it in plan.items if it.storage_index.fqn in self.transforms]
+        for key, offsets, lengths in self._stored((it.storage_index.fqn, it.storage_offsets, it.lengths)
+                                                  for it in made):
+            rng = byte_range(self.source.tensors[key], offsets, lengths)
+            if rng is not None and rng[1]:
+                hints.setdefault(self.source.tensors[key].file, []).append(rng)
         for item in plan.items:
             key = item.storage_index.fqn
+            if key in self.transforms:
+                continue
             info = self.source.tensors[key]
             dest = planner.resolve_tensor(item).detach()
             rng = byte_range(info, item.storage_offsets, item.lengths)
@@ -218,10 +354,16 @@ class SqStorageReader(HuggingFaceStorageReader):
             else:
                 mapped.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         with ExitStack() as stack:  # every file opened here is closed on every path
-            fds: dict = {}
-            self._hint(stack, fds, hints)  # queue every range first: the disk works while we copy
+            files = ReadFiles(self.source, stack, self.direct)
+            self._hint(files, hints)  # queue every range first: the disk works while we copy
+            for item in made:
+                dest = planner.resolve_tensor(item).detach()
+                self.bytes_read += self.transforms[item.storage_index.fqn].read_into(
+                    files, dest, item.storage_offsets, item.lengths)
+                planner.commit_tensor(item, dest)
+                self.mapped_reads += 1
             for file, items in direct.items():
-                fd, start = self._open(stack, fds, file)
+                fd, start = files.fd(file)
                 path = self.source.path(file)
                 for off, n, item, dest in sorted(items, key=lambda x: x[0]):
                     in_place = dest.device.type == "cpu" and dest.is_contiguous()

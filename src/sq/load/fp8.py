@@ -211,12 +211,12 @@ class Fp8StorageReader(SqStorageReader):
     or opened for the request.
     """
 
-    def __init__(self, source: CheckpointSource, layout: Fp8Layout, thread_count: int = 1):
-        super().__init__(source, thread_count=thread_count)
+    def __init__(self, source: CheckpointSource, layout: Fp8Layout, thread_count: int = 1, transforms=None):
+        super().__init__(source, thread_count=thread_count, transforms=transforms)
         self.layout = layout
 
     def _raw(self, key: str) -> bool:
-        return key not in self.layout.scales
+        return super()._raw(key) and key not in self.layout.scales
 
     def _process_read_request(self, f, req, planner) -> None:
         key = req.storage_index.fqn

@@ -2,6 +2,14 @@
 
 Rules, in order; each model tensor takes at most one checkpoint key per region:
 
+0. ``transposed``: a converter of transformers' conversion mapping made of one ``Transpose`` (Qwen3-VL-MoE's
+   ``mlp.experts.gate_up_proj`` / ``down_proj``, stored ``[E, H, 2I]`` / ``[E, I, H]`` on the Hub) matches the
+   key, and the stored shape is the parameter's with those two dimensions swapped: the key fills the whole
+   parameter, read transposed (``KeyMap.transposed``).  Which orientation is stored is proven from the
+   shapes, by transformers' own rule: ``Transpose(check_dims=True)`` reads a tensor whose shape already is
+   the parameter's as it is (so a tensor square on those dimensions is never transposed: its orientation
+   cannot be told from shapes, and transformers does not transpose it either; noted in ``KeyMap.notes``);
+   without ``check_dims`` it always transposes.
 1. ``exact``: the checkpoint key is a model key (or a tied alias of one).
 2. ``conversion``: transformers' own conversion mapping for this model
    (``get_model_conversion_mapping``: ``WeightRenaming`` and ``WeightConverter``).  A converter
@@ -19,6 +27,7 @@ Keys that no rule maps are *carried over* (copied raw by the exporter).
 
 from __future__ import annotations
 
+import copy
 import heapq
 
 import re
@@ -52,6 +61,10 @@ class KeyMap:
     carried: list[str] = field(default_factory=list)  # checkpoint keys with no slot
     problems: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)  # tied alias -> canonical name
+    # checkpoint key -> the two dimensions it is stored with swapped against its target (rule ``transposed``):
+    # its piece is in the target's coordinates, the reader transposes (sq.load.fill.Transposed)
+    transposed: dict[str, tuple[int, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the shapes could not prove (logged by the planner)
 
     def ckpt_keys(self) -> set[str]:
         return {p.ckpt_key for ps in self.pieces.values() for p in ps}
@@ -97,6 +110,22 @@ def _legacy_regex_renames(model: nn.Module) -> list[tuple[re.Pattern, str]]:
     """Older models' ``_checkpoint_conversion_mapping`` (regex -> replacement)."""
     mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
     return [(re.compile(k), v) for k, v in mapping.items()]
+
+
+def _transpose_of(converter):
+    """The ``Transpose`` op of a converter made of that op alone, else None."""
+    from transformers.core_model_loading import Transpose
+
+    ops = list(getattr(converter, "operations", []))
+    return ops[0] if len(ops) == 1 and type(ops[0]) is Transpose else None
+
+
+def swap_dims(shape, dims: tuple[int, int]) -> tuple[int, ...]:
+    """``shape`` (or offsets, lengths) with the two dimensions ``dims`` swapped."""
+    out = list(shape)
+    a, b = dims
+    out[a], out[b] = out[b], out[a]
+    return tuple(out)
 
 
 def _pattern_index_regex(pattern: str) -> re.Pattern:
@@ -148,8 +177,34 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
     def full_piece(key: str, target: str, rule: str) -> Piece:
         return Piece(key, target, (0,) * len(targets[target]), tuple(tensors[key].shape), None, rule)
 
+    renamings, converters = _split_transforms(model)
+    legacy = _legacy_regex_renames(model)
+    base_prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def rename(key: str) -> str:
+        renamed = apply_renamings(key, renamings) if renamings else key
+        for rx, repl in legacy:
+            renamed = rx.sub(repl, renamed)
+        return renamed
+
+    def resolve(target_name: str) -> str | None:
+        # transformers adds or strips the base-model prefix (loading a ForXxx from a bare model)
+        t = canonical(target_name)
+        if t is None and base_prefix:
+            if target_name.startswith(base_prefix + "."):
+                t = canonical(target_name[len(base_prefix) + 1:])
+            else:
+                t = canonical(f"{base_prefix}.{target_name}")
+        return t
+
+    # 0. a Transpose converter: the orientation is proven from the shapes, as transformers decides it
+    # (on copies: a converter's matching is stateful in transformers, and rule 2 runs the originals)
+    handled = _transposed(km, tensors, targets, copy.deepcopy(converters), rename, resolve, pieces)
+
     # 1. exact
     for key in sorted(tensors):
+        if key in handled:
+            continue
         t = canonical(key)
         if t is not None:
             pieces[t].append(full_piece(key, t, "exact"))
@@ -157,15 +212,10 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
             unresolved.append(key)
 
     # 2. conversion mapping
-    renamings, converters = _split_transforms(model)
-    legacy = _legacy_regex_renames(model)
-    base_prefix = getattr(model, "base_model_prefix", "") or ""
     still: list[str] = []
     conv_of: dict[str, object] = {}
     for key in unresolved:
-        renamed = apply_renamings(key, renamings) if renamings else key
-        for rx, repl in legacy:
-            renamed = rx.sub(repl, renamed)
+        renamed = rename(key)
         converter, pattern = None, None
         for conv in converters:
             out, pat = conv.rename_source_key(renamed)
@@ -174,13 +224,7 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
                 break
         if converter is None:
             target_name = renamed
-        # transformers adds or strips the base-model prefix (loading a ForXxx from a bare model)
-        t = canonical(target_name)
-        if t is None and base_prefix:
-            if target_name.startswith(base_prefix + "."):
-                t = canonical(target_name[len(base_prefix) + 1:])
-            else:
-                t = canonical(f"{base_prefix}.{target_name}")
+        t = resolve(target_name)
         if t is None or (converter is None and renamed == key):
             still.append(key)
             continue
@@ -269,6 +313,66 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
     km.pieces = dict(pieces)
     _check_pieces(km, targets, tensors)
     return km
+
+
+def _transposed(km: KeyMap, tensors: dict[str, TensorInfo], targets: dict[str, tuple[int, ...]], converters,
+                rename, resolve, pieces: dict[str, list[Piece]]) -> set[str]:
+    """Map every key a one-``Transpose`` converter matches onto its whole target; return those keys.
+
+    transformers' ``Transpose(d0, d1, check_dims=True)`` transposes a tensor only where its shape differs
+    from the parameter's; without ``check_dims`` always.  The same decision here, from the headers: a key
+    whose stored shape is the parameter's with ``d0`` / ``d1`` swapped (and that transformers transposes) is
+    rule ``transposed`` (read transposed); one stored as the parameter is, and that transformers reads as it
+    is, maps as usual (``exact``, or ``conversion`` where the converter renames it); any other shape is a
+    shape mismatch.  A tensor square on ``d0`` / ``d1`` cannot show its orientation: it is read as
+    transformers reads it, and said so once per kind in ``km.notes``.
+    """
+    handled: set[str] = set()
+    if not any(_transpose_of(c) is not None for c in converters):
+        return handled
+    for key in sorted(tensors):
+        renamed = rename(key)
+        for conv in converters:  # the first converter that matches, as transformers picks it
+            out, pat = conv.rename_source_key(renamed)
+            if pat is not None:
+                break
+        else:
+            continue
+        if _transpose_of(conv) is None:
+            continue
+        t = resolve(out)
+        if t is None:
+            continue  # no parameter of that name: the usual rules decide (carried, or a problem)
+        op = _transpose_of(conv)
+        info, want = tensors[key], tuple(targets[t])
+        stored = tuple(info.shape)
+        nd = len(stored)
+        dims = (op.dim0 % nd, op.dim1 % nd) if nd and -nd <= min(op.dim0, op.dim1) and max(op.dim0, op.dim1) < nd \
+            else None
+        handled.add(key)
+        swapped = swap_dims(stored, dims) if dims is not None else None
+        as_stored = stored == want and bool(op.check_dims)
+        if dims is not None and swapped == want and not as_stored:
+            km.transposed[key] = dims
+            pieces[t].append(Piece(key, t, (0,) * nd, want, None, "transposed"))
+            rule = "transposed"
+        elif as_stored:
+            pieces[t].append(Piece(key, t, (0,) * nd, want, None, "exact" if key == t else "conversion"))
+            rule = "as stored"
+        else:
+            km.problems.append(
+                f"shape mismatch: checkpoint {key!r} is {list(stored)} ({info.file}) but model {t!r} is "
+                f"{list(want)}, nor is it that shape with dimensions {op.dim0} and {op.dim1} swapped, as transformers' "
+                f"conversion mapping reads it (Transpose({op.dim0}, {op.dim1}, check_dims={bool(op.check_dims)}))")
+            continue
+        if dims is not None and stored[dims[0]] == stored[dims[1]]:
+            kind = re.sub(r"\.\d+\.", ".N.", key)
+            note = (f"{kind} {list(stored)} is square on dimensions {list(dims)}: its orientation cannot be proven "
+                    f"from shapes; read {'transposed' if rule == 'transposed' else 'as stored'}, as transformers' "
+                    f"Transpose({op.dim0}, {op.dim1}, check_dims={bool(op.check_dims)}) reads it")
+            if note not in km.notes:
+                km.notes.append(note)
+    return handled
 
 
 def _check_pieces(km: KeyMap, targets: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo]) -> None:

@@ -19,6 +19,12 @@ classifies it:
   back into exactly the rows they came from;
 - everything else is carried as it is (norms, conv, SSM parameters, biases, buffers, embeddings,
   routers, 3-D tensors with no per-expert layout transformers loads back).
+
+A checkpoint tensor the key map reads transposed (rule ``transposed``: the conversion mapping's
+``Transpose`` and the shapes prove the Hub stores it with two dimensions swapped, Qwen3-VL-MoE's
+experts) is classified by its parameter's shape; it is carried as stored where the same tensor in the
+model's layout would be carried whole, and refused by name (``Layout.refused``) where that tensor would
+be quantized or split per expert: model-free reads rows as stored and never transposes them.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Layout:
     linears: list[str] = field(default_factory=list)  # every nn.Linear of the model (model names)
     routers: list[str] = field(default_factory=list)  # router modules (listed in ignore, as the model path)
     notes: list[str] = field(default_factory=list)  # one line per kind of tensor carried for want of a layout
+    refused: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why model-free cannot write it
 
 
 def _whole(piece, shape) -> bool:
@@ -100,6 +107,11 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
                     and is_experts_module(mod)):
                 lay.expert[key] = (m["group"], int(m["e"]), m["leaf"])
                 lay.names[m["group"]] = mod_name
+            elif key in km.transposed:  # judged in the model's layout: carried as stored, or refused
+                if len(info.shape) == 3 and pname in EXPERT_PARAMS and mod is not None:
+                    _fused(lay, model, key, info, mod_name, pname, km.transposed[key])
+                elif isinstance(mod, nn.Linear) and pname == "weight" and block is not None and mod_name not in gates:
+                    lay.refused[key] = _transposed_refusal(key, info, target, targets[target], "a quantized Linear")
             elif (isinstance(mod, nn.Linear) and pname == "weight" and block is not None and len(pieces) == 1
                   and _whole(p, targets[target]) and key.endswith(".weight")
                   and mod_name not in gates):
@@ -113,12 +125,27 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
     return lay
 
 
-def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: str, pname: str) -> None:
+def _transposed_refusal(key: str, info: TensorInfo, target: str, shape, what: str) -> str:
+    return (f"{key} {list(info.shape)} ({info.file}) is stored transposed against model {target!r} "
+            f"{list(shape)} (transformers' conversion mapping transposes it while loading), and in the model's "
+            f"layout it is {what}: model-free reads rows as stored and never transposes them; the model path "
+            "(without --model-free) reads it")
+
+
+def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: str, pname: str,
+           transposed: tuple[int, int] | None = None) -> None:
     """A 3-D expert tensor stored fused: split per expert only where the conversion mapping loads the
-    per-expert names back into the very rows they are read from; otherwise carried (noted)."""
+    per-expert names back into the very rows they are read from; otherwise carried (noted).  A tensor
+    stored transposed (``transposed``: its swapped dimensions) is judged in the model's layout and
+    refused where that would split it."""
     from sq.load.keymap import build_keymap
 
     group, _, leaf = key.rpartition(".")
+    stored = info
+    if transposed is not None:
+        from sq.load.keymap import swap_dims
+
+        info = TensorInfo(info.key, info.file, info.dtype, swap_dims(info.shape, transposed), info.offsets)
     e, rows, cols = info.shape
     mod = model.get_submodule(mod_name)
     # the per-expert names the model path writes too (the conversion mapping's: gate_proj / up_proj / down_proj,
@@ -138,14 +165,23 @@ def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: 
             got = {}
         want = f"{mod_name}.{pname}"
         ok = all(got.get(k) == (want, (x, lo, 0), 0) for k, (x, lo, _) in boxes.items())
+    if ok and transposed is not None:
+        lay.refused[key] = _transposed_refusal(key, stored, f"{mod_name}.{pname}", info.shape,
+                                               f"quantized per expert ({', '.join(leaves)})")
+        return
     if ok:
         lay.fused[key] = (group, leaf, leaves)
         lay.names[group] = mod_name
         return
+    if transposed is not None and quantization_patch(model.get_submodule(mod_name)) is not None:
+        lay.refused[key] = _transposed_refusal(key, stored, f"{mod_name}.{pname}", info.shape,
+                                               "written per expert (transformers' quantized layout)")
+        return
     if _patched_split(lay, model, key, info, mod_name):
         return
     kind = re.sub(r"\.\d+\.", ".N.", key)
-    note = (f"{kind} {list(info.shape)} is carried unquantized: stored fused, and transformers' conversion "
+    note = (f"{kind} {list(stored.shape)} is carried unquantized: stored fused"
+            f"{' (transposed against the model)' if transposed is not None else ''}, and transformers' conversion "
             f"mapping for this model loads no per-expert layout back into it")
     if note not in lay.notes:
         lay.notes.append(note)

@@ -22,12 +22,13 @@ from torch.distributed.tensor import DTensor
 
 from sq.dist import ParallelDims, uses_nccl
 from sq.errors import LoadRefused
-from sq.load.fill import SqStorageReader, agree, dcp_read, fsdp_reset, module_of, requests_for, set_device
+from sq.load.fill import (BoxTransform, SqStorageReader, Transposed, agree, dcp_read, fsdp_reset, module_of,
+                          requests_for, set_device)
 from sq.load.fp8 import ACCEPTED as FP8_ACCEPTED
 from sq.load.fp8 import SCALE_SUFFIX, Fp8Layout, Fp8StorageReader, dequantize, detect_fp8
 from sq.load.keymap import KeyMap, build_keymap, model_targets, numel
 from sq.load.mxfp4 import ACCEPTED as MXFP4_ACCEPTED
-from sq.load.mxfp4 import Mxfp4Layout, Mxfp4StorageReader, blocks_and_scales, detect_mxfp4
+from sq.load.mxfp4 import Mxfp4Layout, blocks_and_scales, detect_mxfp4
 from sq.load.mxfp4 import dequantize as dequantize_mxfp4
 from sq.anatomy import decoder_blocks
 from sq.load.meta import build_skeleton, config_problems, tokenizer_problems
@@ -63,14 +64,19 @@ class LoadPlan:
         consumed, never listed (an MXFP4 tensor with no slot is listed under its dequantized name)."""
         return self.keymap.carried
 
+    def transforms(self) -> dict[str, BoxTransform]:
+        """The tensors the reader makes while reading them: MXFP4 pairs (dequantized) and checkpoint
+        tensors stored transposed against their parameter (``keymap.transposed``), by key-map name."""
+        out: dict[str, BoxTransform] = dict(self.mxfp4.pairs) if self.mxfp4 is not None else {}
+        out.update({k: Transposed(self.source.tensors[k], dims) for k, dims in self.keymap.transposed.items()})
+        return out
+
     def reader(self) -> SqStorageReader:
         if self._reader is None:
-            if self.mxfp4 is not None:
-                self._reader = Mxfp4StorageReader(self.source, self.mxfp4)
-            elif self.fp8 is not None:
-                self._reader = Fp8StorageReader(self.source, self.fp8)
+            if self.fp8 is not None:
+                self._reader = Fp8StorageReader(self.source, self.fp8, transforms=self.transforms())
             else:
-                self._reader = SqStorageReader(self.source)
+                self._reader = SqStorageReader(self.source, transforms=self.transforms())
         return self._reader
 
     def read_carried(self) -> dict[str, torch.Tensor]:
@@ -241,6 +247,13 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
         ckpt.update(mx.tensors(dtype))
     keymap = build_keymap(model, ckpt)
     problems += keymap.problems if mx is None else mx.describe(keymap.problems)
+    for key in sorted(keymap.transposed):  # one transform per tensor: a transposed one is read as stored bytes
+        if (fp8 is not None and key in fp8.scales) or (mx is not None and key in mx.pairs):
+            problems.append(f"checkpoint {key!r} ({ckpt[key].file}) is stored transposed against its parameter and "
+                            f"{'FP8 block-scaled' if mx is None or key not in mx.pairs else 'MXFP4'}: sq does not read "
+                            "a tensor both dequantized and transposed")
+    for note in keymap.notes:
+        logger.warning("%s", note)
 
     filled_numel = 0
     for t, shape in targets.items():

@@ -31,18 +31,14 @@ and writes the transposed values in the destination's dtype.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.futures import Future
 
-from sq.load.fill import SqStorageReader
+from sq.load.fill import BoxTransform, ReadFiles
 from sq.load.source import CheckpointSource, TensorInfo
 
 QUANT_METHOD = "mxfp4"
@@ -60,8 +56,9 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
-class Mxfp4Pair:
-    """One MXFP4 tensor: ``name`` (the dequantized tensor, model layout) from its blocks and scales."""
+class Mxfp4Pair(BoxTransform):
+    """One MXFP4 tensor: ``name`` (the dequantized tensor, model layout) from its blocks and scales; the
+    reader makes a box of it from only the blocks and scales the box touches (a ``BoxTransform``)."""
 
     name: str
     blocks: TensorInfo  # uint8 [E, R, G, 16]
@@ -72,6 +69,22 @@ class Mxfp4Pair:
         """The dequantized shape ``[E, G * 32, R]`` (transposed against the blocks' rows)."""
         e, r, g, _ = self.blocks.shape
         return e, g * BLOCK, r
+
+    @property
+    def file(self) -> str:
+        return self.blocks.file
+
+    def sources(self, offsets, lengths):
+        """The blocks and scales a box ``[e0, a0, r0] + [ne, na, nr]`` reads."""
+        (e0, a0, r0), (ne, na, nr) = tuple(offsets), tuple(lengths)
+        g0, g1 = a0 // BLOCK, math.ceil((a0 + na) / BLOCK)
+        return [(self.blocks.key, (e0, r0, g0, 0), (ne, nr, g1 - g0, BLOCK_BYTES)),
+                (self.scales.key, (e0, r0, g0), (ne, nr, g1 - g0))]
+
+    def read_into(self, files: ReadFiles, dest: torch.Tensor, offsets, lengths) -> int:
+        b, s = files.slice(self.blocks), files.slice(self.scales)
+        return dequantize_box_into(dest, lambda e, ne, r, nr, g0, g1: b[e:e + ne, r:r + nr, g0:g1],
+                                   lambda e, ne, r, nr, g0, g1: s[e:e + ne, r:r + nr, g0:g1], offsets, lengths)
 
 
 @dataclass(frozen=True)
@@ -306,91 +319,7 @@ def dequantize_box_into(dest: torch.Tensor, read_blocks, read_scales, offsets, l
 
 def dequantize(source: CheckpointSource, pair: Mxfp4Pair, dtype: torch.dtype) -> torch.Tensor:
     """A whole MXFP4 tensor dequantized into ``dtype`` (a carried-over tensor)."""
-    from safetensors import safe_open
-
     out = torch.empty(pair.shape, dtype=dtype)
     with ExitStack() as stack:
-        reader = _PairReader(stack, source, pair, safe_open)
-        dequantize_box_into(out, reader.blocks, reader.scales, (0, 0, 0), pair.shape)
+        pair.read_into(ReadFiles(source, stack), out, (0, 0, 0), pair.shape)
     return out
-
-
-class _PairReader:
-    """Slices of one pair's blocks and scales through ``safe_open`` (files opened once, closed by ``stack``)."""
-
-    def __init__(self, stack: ExitStack, source: CheckpointSource, pair: Mxfp4Pair, safe_open, opened=None):
-        opened = {} if opened is None else opened
-        for info in (pair.blocks, pair.scales):
-            if info.file not in opened:
-                opened[info.file] = stack.enter_context(safe_open(str(source.path(info.file)), framework="pt"))
-        self._b = opened[pair.blocks.file].get_slice(pair.blocks.key)
-        self._s = opened[pair.scales.file].get_slice(pair.scales.key)
-
-    def blocks(self, e, ne, r, nr, g0, g1) -> torch.Tensor:
-        return self._b[e:e + ne, r:r + nr, g0:g1]
-
-    def scales(self, e, ne, r, nr, g0, g1) -> torch.Tensor:
-        return self._s[e:e + ne, r:r + nr, g0:g1]
-
-
-class Mxfp4StorageReader(SqStorageReader):
-    """``SqStorageReader`` that reads each MXFP4 tensor ``X`` as its dequantized value, box by box.
-
-    ``X`` is in the reader's metadata with the dequantized shape; a box of it reads only the blocks
-    and scales it touches (:func:`dequantize_box_into`).  Every other tensor is read as before.
-    """
-
-    def __init__(self, source: CheckpointSource, layout: Mxfp4Layout, thread_count: int = 1):
-        super().__init__(source, thread_count=thread_count)
-        from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
-
-        self.layout = layout
-        for name, pair in layout.pairs.items():
-            zeros = torch.Size([0, 0, 0])
-            self._metadata.state_dict_metadata[name] = TensorStorageMetadata(
-                TensorProperties(dtype=torch.bfloat16), torch.Size(pair.shape),
-                [ChunkStorageMetadata(zeros, torch.Size(pair.shape))])
-            self._metadata.storage_data[MetadataIndex(name, zeros)] = _HFStorageInfo(
-                str(source.path(pair.blocks.file)), torch.Size(pair.shape), torch.bfloat16)
-
-    def _raw(self, key: str) -> bool:
-        return key not in self.layout.pairs
-
-    def file_view(self, key: str, offsets, lengths, dtype: torch.dtype):
-        return None if key in self.layout.pairs else super().file_view(key, offsets, lengths, dtype)
-
-    def will_need(self, boxes) -> None:
-        """The hint for an MXFP4 box is for the blocks and scales it reads."""
-        out = []
-        for key, offsets, lengths in boxes:
-            pair = self.layout.pairs.get(key)
-            if pair is None:
-                out.append((key, offsets, lengths))
-                continue
-            (e0, a0, r0), (ne, na, nr) = tuple(offsets), tuple(lengths)
-            g0, g1 = a0 // BLOCK, math.ceil((a0 + na) / BLOCK)
-            out.append((pair.blocks.key, (e0, r0, g0, 0), (ne, nr, g1 - g0, BLOCK_BYTES)))
-            out.append((pair.scales.key, (e0, r0, g0), (ne, nr, g1 - g0)))
-        super().will_need(out)
-
-    def read_data(self, plan, planner) -> Future[None]:
-        mine = [it for it in plan.items if it.storage_index.fqn in self.layout.pairs]
-        if len(mine) < len(plan.items):
-            rest = [it for it in plan.items if it.storage_index.fqn not in self.layout.pairs]
-            super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
-        if mine:
-            from safetensors import safe_open
-
-            with ExitStack() as stack:
-                opened: dict = {}
-                for item in mine:
-                    pair = self.layout.pairs[item.storage_index.fqn]
-                    reader = _PairReader(stack, self.source, pair, safe_open, opened)
-                    dest = planner.resolve_tensor(item).detach()
-                    self.bytes_read += dequantize_box_into(dest, reader.blocks, reader.scales, item.storage_offsets,
-                                                           item.lengths)
-                    planner.commit_tensor(item, dest)
-                    self.mapped_reads += 1
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut

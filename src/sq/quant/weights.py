@@ -82,8 +82,15 @@ class CheckpointWeights:
         checkpoint key where one key fills it; the model's own name where the checkpoint splits it
         (per-expert keys of experts left unquantized, Kimi's q/k/v conv weights): transformers 5 stacks
         or concatenates such keys while loading an unquantized checkpoint, but not while loading a
-        compressed-tensors one, where the model's name loads as it is."""
-        return {self._one_key(target) or target: value.clone()}
+        compressed-tensors one, where the model's name loads as it is.  A key stored transposed against
+        ``target`` (Qwen3-VL-MoE's experts on the Hub, ``keymap.transposed``) is written transposed back,
+        as the checkpoint stores it: transformers reads either orientation there (its ``Transpose``
+        conversion checks the shapes), vLLM's loader for such a model only the checkpoint's."""
+        key = self._one_key(target)
+        dims = self.plan.keymap.transposed.get(key) if key is not None else None
+        if dims is not None:
+            return {key: value.transpose(*dims).contiguous()}
+        return {key or target: value.clone()}
 
     @property
     def expert_pieces(self) -> dict:

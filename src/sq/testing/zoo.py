@@ -140,8 +140,52 @@ def build_zoo(out_dir: Path, model_type: str, *, seed: int = 0, dtype: torch.dty
     entry = ZOO[model_type]
     # the embedding has spare rows past the tokenizer (as real checkpoints do): some tokenizer classes
     # add a special token of their own
-    return build_checkpoint(out_dir, model_type, tiny_config(model_type), seed=seed, dtype=dtype, shards=shards,
+    path = build_checkpoint(out_dir, model_type, tiny_config(model_type), seed=seed, dtype=dtype, shards=shards,
                             image_text=entry.family == "vlm", tokenizer_vocab_size=512)[0]
+    hub_transposed_layout(path, model_type)
+    return path
+
+
+def hub_transposed_layout(path: Path, model_type: str) -> list[str]:
+    """Rewrite the tensors of checkpoint ``path`` that ``model_type``'s conversion mapping reads through a
+    ``Transpose(d0, d1, check_dims=True)`` converter with ``d0`` / ``d1`` swapped, as the Hub stores them;
+    returns their keys (sorted).
+
+    ``save_pretrained`` writes the model's own layout there (the reverse ``Transpose`` checks the shapes too
+    and finds nothing to do), but the real checkpoints are stored transposed: Qwen3-VL-MoE's
+    ``mlp.experts.gate_up_proj`` is ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]`` on the Hub, for the model's
+    ``[E, 2I, H]`` / ``[E, H, I]``.  Keys, files and the index are unchanged; transformers loads the result
+    (its ``Transpose`` swaps them back)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter, WeightRenaming, apply_renamings
+
+    try:
+        mapping = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:  # noqa: BLE001 - no mapping for this type: nothing is stored otherwise
+        return []
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [(c, c.operations[0]) for c in mapping if isinstance(c, WeightConverter)
+                  and len(c.operations) == 1 and type(c.operations[0]) is Transpose and c.operations[0].check_dims]
+    if not converters:
+        return []
+    done = []
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            metadata = h.metadata()
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        changed = False
+        for key, t in tensors.items():
+            name = apply_renamings(key, renamings) if renamings else key
+            op = next((op for conv, op in converters if conv.rename_source_key(name)[1] is not None), None)
+            if op is not None:
+                tensors[key] = t.transpose(op.dim0, op.dim1).contiguous()
+                done.append(key)
+                changed = True
+        if changed:
+            save_file(tensors, str(f), metadata=metadata)
+    return sorted(done)
 
 
 # ----------------------------------------------------------------------------- output check
