@@ -93,3 +93,22 @@ def test_gptq_two_ranks_output_checks(zoo, tmp_path, model_type):
     assert r.returncode == 0, r.output[-4000:]
     summary = check_output(zoo[model_type], out)
     assert summary["quantized"] > 0
+
+
+@pytest.mark.parametrize("model_type,routers", [("qwen3_next", {"gate", "shared_expert_gate"}), ("bamba", set()),
+                                                ("gemma3", set()), ("nemotron_h", {"gate"})])
+def test_convolutions_and_vectors_are_not_experts(model_type, routers):
+    """A linear-attention / SSM conv1d kernel [C, 1, K] and SigLIP's probe [1, 1, H] are 3-D but not experts:
+    neither carried as 'experts' nor turning a sibling Linear with C (or 1) rows into a 'router'."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from sq import anatomy
+    from sq.testing.zoo import ZOO, tiny_config
+
+    auto = AutoModelForImageTextToText if ZOO[model_type].family == "vlm" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(AutoConfig.for_model(model_type, **tiny_config(model_type)))
+    assert {n.rsplit(".", 1)[-1] for n in anatomy.routers(model)} == routers
+    carried = anatomy.carried_experts(model)
+    assert all("experts" in name.rsplit(".", 1)[-1] for name, _ in carried), carried

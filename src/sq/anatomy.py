@@ -68,8 +68,11 @@ def _fused_3d(mod: nn.Module) -> bool:
 
 
 def _three_d(mod: nn.Module) -> list:
-    """``mod``'s own 3-D parameters: fused experts of any layout (``[E, ., .]``)."""
-    return [t for t in mod._parameters.values() if t is not None and t.dim() == 3]
+    """``mod``'s own 3-D parameters: fused experts of any layout (``[E, ., .]``, more than one slot); not a
+    convolution's kernel (a linear-attention / SSM ``conv1d``) nor a 3-D vector (SigLIP's ``probe [1, 1, H]``)."""
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        return []
+    return [t for t in mod._parameters.values() if t is not None and t.dim() == 3 and t.shape[0] > 1]
 
 
 def expert_layout_problem(mod: nn.Module) -> str | None:
