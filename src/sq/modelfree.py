@@ -845,7 +845,7 @@ def _prepare(cfg):
 def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) -> dict:
     """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
     writes what) only when there are any, so signatures without splits stay as they were."""
-    sig = {"mode": "model-free", "source": source_identity(source), "job": cfg.signature_args(calibrated=False),
+    sig = {"mode": "model-free", "source": source_identity(source), "args": cfg.signature_args(calibrated=False),
            "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
            "world_size": world, "blocks": plan.blocks, "versions": versions()}
     if split:

@@ -180,7 +180,7 @@ def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weig
     data), the algorithm's config, the resolved module -> scheme assignment, the world."""
     sig = {
         "source": weights.identity(),
-        "job": cfg.signature_args(calibrated=calibrated),
+        "args": cfg.signature_args(calibrated=calibrated),
         "algorithm": cfg.algo.signature(),
         "schemes": assigner.to_dict(),
         "assignment": targets.assignment,
@@ -396,7 +396,7 @@ class _Pipeline:
         problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
         self.sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
-            self.sig["job"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
+            self.sig["args"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         raise_all(problems, "model and output checks")
         if claim_output(self.out, self.sig, cfg.resume, self.state, self.rank) == "complete":
