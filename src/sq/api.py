@@ -138,7 +138,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
         else:
             try:
                 text = read_corpus_dist(dataset).text(tokenizer)
-                windows = calibration_windows(tokenize_corpus(tokenizer, text), nsamples, seqlen)
+                windows = calibration_windows(tokenize_corpus(tokenizer, text, need=nsamples * seqlen), nsamples, seqlen)
                 data = {"spec": dataset, "sha256": sha256_bytes(text.encode())}
             except SqError as e:
                 problems += e.problems

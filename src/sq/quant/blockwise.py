@@ -243,7 +243,9 @@ def quantize_model(cfg: PTQConfig) -> dict:
 
     # the windows are cut before the output folder is touched: a corpus too short for
     # --nsamples x --seqlen is refused like every other argument (every rank, same tokens)
-    calib = calibration_windows(tokenize_corpus(tokenizer, text), cfg.nsamples, cfg.seqlen) if text is not None else None
+    # (only the text those windows take is tokenized: sq.calib.data.tokenize_corpus)
+    calib = (calibration_windows(tokenize_corpus(tokenizer, text, need=cfg.nsamples * cfg.seqlen), cfg.nsamples,
+                                 cfg.seqlen) if text is not None else None)
     data = {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None}
     return run_pipeline(cfg, model, weights, assigner, data, lambda: calib,
                         parallelize=lambda compute_dtype: apply_parallel(
