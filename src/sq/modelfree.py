@@ -837,6 +837,8 @@ def _prepare(cfg):
         problems += more
         if not plan.assignment:
             problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+        # classify asked the assigner about every tensor it may quantize, by checkpoint and model name
+        problems += assigner.unmatched_problems(plan.unquantized, allow=cfg.allow_unmatched)
     problems += writer.output_path_problems(cfg.output, src)
     raise_all(problems, "checkpoint checks")
     return plan, _Reader(source, layout, _dtype_of(source.config)), source, assigner

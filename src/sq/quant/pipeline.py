@@ -154,6 +154,9 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
                         "every rank needs calibration samples")
     if not targets.assignment:
         problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+    # plan_targets asked the assigner about every module it may quantize: a user pattern that
+    # matched none of them (nor a Linear sq keeps in full precision) is a typo
+    problems += assigner.unmatched_problems(targets.unquantized, allow=cfg.allow_unmatched)
     return problems
 
 
