@@ -50,7 +50,7 @@ def test_gptq_moe_float32_ep1_equals_ep2_and_differs_from_bf16_compute(bf16, tmp
     assert _same_bits(tmp_path / "ep1", tmp_path / "model")  # activations in float32: other Hessians
     assert _layout(tmp_path / "ep1") == _layout(tmp_path / "model")
     sig = json.loads((tmp_path / "ep1" / "sq_report.json").read_text())["run_signature"]
-    assert sig["job"]["calib_dtype"] == "float32"
+    assert sig["args"]["calib_dtype"] == "float32"
 
 
 @pytest.mark.parametrize("algo,scheme,extra", [

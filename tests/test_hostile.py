@@ -237,7 +237,7 @@ def test_finished_output_rerun(finished, checkpoints, tmp_path):
     before = snapshot(finished)
     same = run_cli(["sq.ptq", *_argv(src, finished, *RTN)], 2, timeout=60)
     assert same.returncode == 0 and "already complete" in same.output, same.output[-3000:]
-    for extra, field in ((["--scheme", "W8A16"], "job.scheme"), (["--algo", "gptq"], "algorithm.name")):
+    for extra, field in ((["--scheme", "W8A16"], "args.scheme"), (["--algo", "gptq"], "algorithm.name")):
         res = run_cli(["sq.ptq", *_argv(src, finished, *RTN, *extra)], 2, timeout=60, stop_on_failure=False)
         assert res.codes == [2, 2] and "holds a finished sq checkpoint made with different settings" in res.stderr
         assert field in res.stderr and "Traceback" not in res.output

@@ -195,5 +195,5 @@ def test_default_ep_is_auto_on_moe(checkpoints, tmp_path):
     base = dict(model=str(checkpoints["qwen3_moe"]), scheme="W4A16", algo="rtn", group_size=GS)
     _run([dict(output=str(tmp_path / "auto"), **base), dict(output=str(tmp_path / "ep1"), ep=1, **base)], 2)
     report = json.loads((tmp_path / "auto" / "sq_report.json").read_text())
-    assert report["args"]["ep"] == 2 and report["run_signature"]["job"]["ep"] == 2
+    assert report["args"]["ep"] == 2 and report["run_signature"]["args"]["ep"] == 2
     assert _same_bits(tmp_path / "auto", tmp_path / "ep1") == []

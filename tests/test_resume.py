@@ -162,9 +162,9 @@ def test_signature_changes_are_refused_by_name(checkpoints, partial, tmp_path):
     _partial_run(partial, out)
     manifest = (out / ".sq-run" / "rank-00000" / "manifest.json").read_text()
     base = dict(model=str(checkpoints["llama"]), output=str(out), algo="gptq", group_size=GS, nsamples=4, seqlen=16)
-    changes = {"job.group_size": dict(group_size=32), "job.nsamples": dict(nsamples=6),
-               "job.seqlen": dict(seqlen=8), "job.seed": dict(seed=1), "job.scheme": dict(scheme="W8A16"),
-               "job.ignore": dict(ignore=("down_proj",)), "algorithm.name": dict(algo="rtn")}
+    changes = {"args.group_size": dict(group_size=32), "args.nsamples": dict(nsamples=6),
+               "args.seqlen": dict(seqlen=8), "args.seed": dict(seed=1), "args.scheme": dict(scheme="W8A16"),
+               "args.ignore": dict(ignore=("down_proj",)), "algorithm.name": dict(algo="rtn")}
     msgs = run_ranks(quantize_jobs, 2, [{**base, **c} for c in changes.values()], timeout=300)[0]
     for field, msg in zip(changes, msgs):
         assert msg is not None and field in msg and "--resume never" in msg, (field, msg)

@@ -38,7 +38,7 @@ def test_calibrated_on_gpus_load(checkpoints, tmp_path, arch, algo):
     jobs = [dict(model=str(checkpoints[arch]), output=str(tmp_path / "o"), algo=algo, **JOB, **extra)]
     assert run_ranks(quantize_jobs, _world(), jobs, backend="nccl", timeout=600)[0] == [None]
     report = json.loads((tmp_path / "o" / "sq_report.json").read_text())
-    assert report["run_signature"]["job"]["calib_dtype"] == "model"
+    assert report["run_signature"]["args"]["calib_dtype"] == "model"
     if algo == "gptq":
         for name, layer in report["layers"].items():
             assert layer["rel_err"] <= layer["rtn_rel_err"] + 1e-9, name

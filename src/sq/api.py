@@ -22,7 +22,7 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
              group_size: int = 128, calibration: torch.Tensor | None = None, tokenizer=None,
              dataset: str = "builtin:pydoc", nsamples: int = 128, seqlen: int = 512, seed: int = 0,
              ignore: tuple[str, ...] = (), recipe: str | Path | None = None, resume: str = "never",
-             **settings) -> dict:
+             allow_unmatched: bool = False, **settings) -> dict:
     """Quantize ``model`` in place (its weights become the dequantized values) and write a
     compressed-tensors checkpoint to ``output`` that transformers and vLLM load.
 
@@ -44,14 +44,61 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
         resume: ``never`` by default -- an in-memory model cannot prove its weights are those of a
             previous attempt; ``auto`` resumes a folder whose run signature matches (same
             architecture, shapes, arguments and calibration data).
+        allow_unmatched: accept ``ignore`` patterns and recipe rules that match no module (logged as
+            warnings); by default they are refused, as a typo would be.
 
     Returns the report (``sq_report.json``) on rank 0 and ``{}`` elsewhere.  Problems raise
-    ``SqError`` on every rank before anything is written.
+    ``SqError`` on every rank before anything is written; among them, a model that is already
+    quantized (by an earlier ``sq.quantize``, or loaded from a quantized checkpoint): quantizing
+    quantized weights again would only add a second rounding error.
     """
     with _resharded(model):
         return _quantize(model, output, scheme=scheme, algo=algo, group_size=group_size, calibration=calibration,
                          tokenizer=tokenizer, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed,
-                         ignore=ignore, recipe=recipe, resume=resume, **settings)
+                         ignore=ignore, recipe=recipe, resume=resume, allow_unmatched=allow_unmatched, **settings)
+
+
+# set on a model whose blocks sq.quantize began to quantize in place: the output folder
+QUANTIZED_MARK = "_sq_quantized_into"
+# compressed-tensors' (and sq's) tensors of a quantized Linear: present only on a quantized module
+_QUANTIZED_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape")
+
+
+def already_quantized_problems(model: nn.Module) -> list[str]:
+    """Why ``model`` must not be quantized (again): it holds sq's dequantized weights from an earlier
+    ``sq.quantize``, carries a ``quantization_config`` (loaded from a quantized checkpoint), or has
+    modules holding quantized tensors.  Identical on every rank for identical models."""
+    name = type(model).__name__
+    problems = []
+    out = model.__dict__.get(QUANTIZED_MARK)
+    if out is not None:
+        problems.append(f"sq.quantize: this {name} was already quantized in place by sq.quantize (into {out}): its "
+                        "weights are now the dequantized values of that checkpoint, and quantizing them again would "
+                        "round twice; call sq.quantize on the full-precision model (reload it, or keep a copy before "
+                        f"the first call), or use the checkpoint in {out}")
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    if qc is None and getattr(model, "hf_quantizer", None) is not None:
+        qc = getattr(model.hf_quantizer, "quantization_config", "?")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        method = getattr(method, "value", method)
+        problems.append(f"sq.quantize: {name}.config carries a quantization_config (quant_method {method!r}): the "
+                        "model was loaded from a quantized checkpoint, and quantizing it again would round twice; "
+                        "quantize the full-precision model instead (if these weights are full precision on purpose, "
+                        "e.g. dequantized, delete model.config.quantization_config first)")
+    held = []
+    for n, m in model.named_modules():
+        tensors = [t for t in _QUANTIZED_TENSORS if t in m._parameters or t in m._buffers]
+        if getattr(m, "quantization_scheme", None) is not None or tensors:
+            held.append(f"{n or '<root>'} ({', '.join(tensors) or 'a compressed-tensors quantization_scheme'})")
+        elif isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor) and (
+                not m.weight.dtype.is_floating_point or m.weight.dtype.itemsize == 1):  # int8, packed, float8
+            held.append(f"{n} ({str(m.weight.dtype).removeprefix('torch.')} weight)")
+    if held:
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        problems.append(f"sq.quantize: {len(held)} modules of this {name} are already quantized: "
+                        f"{'; '.join(held[:3])}{more}; quantize the full-precision model instead")
+    return problems
 
 
 class _resharded:
@@ -80,7 +127,7 @@ class _resharded:
 
 
 def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration, tokenizer, dataset, nsamples,
-              seqlen, seed, ignore, recipe, resume, **settings) -> dict:
+              seqlen, seed, ignore, recipe, resume, allow_unmatched, **settings) -> dict:
     from sq.agree import agree, argument_facts
     from sq.anatomy import annotate_experts
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
@@ -104,9 +151,10 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
         cfg = PTQConfig.build(model=f"<in-memory {type(model).__name__}>", output=str(output), scheme=scheme,
                               algo=algo, group_size=group_size, nsamples=nsamples, seqlen=seqlen, seed=seed,
                               dataset=dataset, ignore=tuple(ignore), recipe=None if recipe is None else str(recipe),
-                              resume=resume, **settings)
+                              resume=resume, allow_unmatched=bool(allow_unmatched), **settings)
     except (SqError, TypeError, ValueError) as e:
         problems += e.problems if isinstance(e, SqError) else [str(e)]
+    problems += already_quantized_problems(model)
     all_ok(not problems, "API argument checks")
     if problems:
         raise SqError(problems)
@@ -140,7 +188,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
         else:
             try:
                 text = read_corpus_dist(dataset).text(tokenizer)
-                windows = calibration_windows(tokenize_corpus(tokenizer, text), nsamples, seqlen)
+                windows = calibration_windows(tokenize_corpus(tokenizer, text, need=nsamples * seqlen), nsamples, seqlen)
                 data = {"spec": dataset, "sha256": sha256_bytes(text.encode())}
             except SqError as e:
                 problems += e.problems
@@ -154,5 +202,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
         return run_pipeline(cfg, model, weights, assigner, data, lambda: windows.long(), parallelize=None,
                             t_start=t_start)
     finally:
+        if weights.touched:  # its blocks hold dequantized values now (all, or those done before a failure)
+            setattr(model, QUANTIZED_MARK, str(output))
         weights.restore()
         model.train(was_training)

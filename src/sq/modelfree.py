@@ -850,6 +850,8 @@ def _prepare(cfg):
         problems += more
         if not plan.assignment:
             problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+        # classify asked the assigner about every tensor it may quantize, by checkpoint and model name
+        problems += assigner.unmatched_problems(plan.unquantized, allow=cfg.allow_unmatched)
     problems += writer.output_path_problems(cfg.output, src)
     raise_all(problems, "checkpoint checks")
     return plan, _Reader(source, layout, _dtype_of(source.config)), source, assigner
@@ -859,7 +861,7 @@ def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) 
     """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
     writes what) only when there are any, so signatures without splits stay as they were."""
     hashes = content_hashes(source) if cfg.verify_source == "content" else None
-    sig = {"mode": "model-free", "source": source_identity(source, hashes), "job": cfg.signature_args(calibrated=False),
+    sig = {"mode": "model-free", "source": source_identity(source, hashes), "args": cfg.signature_args(calibrated=False),
            "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
            "world_size": world, "blocks": plan.blocks, "versions": versions()}
     if split:

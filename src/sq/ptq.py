@@ -60,10 +60,14 @@ def build_parser() -> ArgParser:
                    help="calibration text: builtin:pydoc, a .txt/.jsonl/.parquet file, or a hub dataset "
                         "org/name[:split] (docs/data.md)")
     p.add_argument("--ignore", nargs="*", default=[], metavar="REGEX",
-                   help="Linear module names (re.search) left unquantized (default: none)")
+                   help="Linear module names (re.search) left unquantized (default: none); a pattern that matches "
+                        "no module, or that could make the regex engine run for ever, is refused")
     p.add_argument("--recipe", default=None, metavar="FILE",
                    help="mixed precision: YAML/JSON of ordered regex -> scheme rules and a default "
                         "(docs/recipes.md; default: --scheme for every Linear)")
+    p.add_argument("--allow-unmatched", action="store_true",
+                   help="accept --ignore patterns and recipe rules that match no module of the model (warned "
+                        "about; default: refused, as a typo would be)")
     p.add_argument("--timeout", type=positive_seconds, default=job["timeout_s"], metavar="SECONDS",
                    help="collective timeout: a dead or hung rank ends the job instead of hanging it")
     p.add_argument("--ep", type=_ep, default=job["ep"], metavar="N|auto",
@@ -110,8 +114,8 @@ def parse_args(argv=None, with_model_free: bool = False):
                      group_size=a.group_size, nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
-                     skip_nonfinite=a.skip_nonfinite, verify_source=a.verify_source, trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache,
-                     calib_dtype=a.calib_dtype,
+                     skip_nonfinite=a.skip_nonfinite, allow_unmatched=a.allow_unmatched, verify_source=a.verify_source,
+                     trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache, calib_dtype=a.calib_dtype,
                      fault=os.environ.get("SQ_FAULT"))
     return (cfg, a.model_free) if with_model_free else cfg
 

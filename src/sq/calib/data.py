@@ -19,6 +19,8 @@ use.  Records are joined with a blank line (``"\\n\\n"``), whatever their kind, 
 Packing rule (the standard benchmark, shared with the peers' numbers in DESIGN.md): the
 whole corpus is tokenized once, without special tokens, into one stream ``tokens[N]``
 (special-token strings a chat template wrote into the text still become their tokens).
+Calibration needs only the stream's first ``nsamples * seqlen`` tokens, and tokenizes only a
+prefix of the text that yields them (``tokenize_corpus(..., need=)``: the same tokens).
 
 - calibration: ``nsamples`` consecutive, non-overlapping windows from the start,
   ``tokens[i*seqlen:(i+1)*seqlen]`` for ``i < nsamples``;
@@ -129,7 +131,13 @@ def read_corpus(spec: str) -> Corpus:
         if not path.is_file():
             raise SqError(f"dataset file {path} does not exist")
         if path.suffix == ".txt":
-            return Corpus(spec, (Record(f"dataset file {path}", text=_read_utf8(path)),))
+            text = _read_utf8(path)
+            if not text.strip():
+                raise SqError(f"dataset file {path} is empty: nothing to calibrate on; pass a file with text in it (or "
+                              "the default, builtin:pydoc)" if not text else
+                              f"dataset file {path} holds only whitespace ({len(text)} characters): nothing to "
+                              "calibrate on; pass a file with text in it (or the default, builtin:pydoc)")
+            return Corpus(spec, (Record(f"dataset file {path}", text=text),))
         rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
         return Corpus(spec, _check_records(rows, f"dataset file {path}"))
     if path.exists():
@@ -234,6 +242,9 @@ def _check_records(rows: Iterable[tuple[str, object]], source: str) -> tuple[Rec
         raise SqError(problems)
     if not records:
         raise SqError(f"{source} holds no records")
+    if all(r.text is not None and not r.text.strip() for r in records):
+        raise SqError(f"{source}: the 'text' of every record ({len(records)}) is empty or whitespace: nothing to "
+                      "calibrate on; pass a dataset with text in it (or the default, builtin:pydoc)")
     return tuple(records)
 
 
@@ -324,12 +335,34 @@ def _embedding_rows(model) -> int | None:
 
 # ----------------------------------------------------------------------------- windows
 
-def tokenize_corpus(tokenizer, text: str) -> torch.Tensor:
-    """Tokenize the whole corpus once, without special tokens -> ``LongTensor[N]``."""
+def _ids(tokenizer, text: str) -> list[int]:
     # verbose=False: the corpus is far longer than model_max_length on purpose; it is cut
     # into windows afterwards, so the "sequence too long" warning would only mislead.
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def tokenize_corpus(tokenizer, text: str, need: int | None = None) -> torch.Tensor:
+    """Tokenize the corpus once, without special tokens -> ``LongTensor[N]``.
+
+    With ``need`` (calibration: ``nsamples * seqlen``), only as much of the text as those tokens
+    take is tokenized, and the stream's first ``need`` tokens are returned (the whole stream where
+    the whole text was tokenized): a 17 MB corpus is not tokenized whole for 128 tokens.  A prefix of the text tokenizes like the whole except
+    near its cut (a word cut in two), so the prefix is taken with a margin of tokens beyond
+    ``need`` and the first ``need`` tokens are accepted only when a half-longer prefix gives the
+    same ones; otherwise the prefix doubles, up to the whole text.  Where the prefix would be
+    more than half the text, the whole text is tokenized, as before (the standard benchmark's
+    128 x 512 tokens of ``builtin:pydoc``).  A corpus shorter than ``need`` tokens is always
+    tokenized whole, so its refusal names its true length.
+    """
+    if need is not None and need > 0:
+        margin = max(256, need // 8)
+        chars = 8 * (need + margin)  # about twice the characters those tokens take in English
+        while 2 * chars < len(text):
+            ids = _ids(tokenizer, text[:chars])
+            if len(ids) >= need + margin and _ids(tokenizer, text[: chars + chars // 2])[:need] == ids[:need]:
+                return torch.tensor(ids[:need], dtype=torch.long)
+            chars *= 2
+    return torch.tensor(_ids(tokenizer, text), dtype=torch.long)
 
 
 def _check_sizes(tokens: torch.Tensor, count: int, seqlen: int, what: str) -> None:

@@ -256,10 +256,15 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
         logger.warning("%s", note)
 
     filled_numel = 0
+    # a weight file that could not be read is named once above; the tensors it would fill are not
+    # listed one by one after it (nor the coverage they take down)
+    unread = bool(source.unreadable)
     for t, shape in targets.items():
         ps = keymap.pieces.get(t, [])
         covered = sum(numel(p.lengths) for p in ps)
         filled_numel += min(covered, numel(shape))
+        if unread:
+            continue
         if not ps:
             kind = "buffer" if t not in dict(model.named_parameters()) else "parameter"
             problems.append(f"model {kind} {t!r} {list(shape)} has no checkpoint key"
@@ -268,7 +273,7 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
             problems.append(f"model tensor {t!r} {list(shape)} is only partly filled: {covered} of "
                             f"{numel(shape)} elements from {len(ps)} checkpoint keys")
     total = sum(numel(s) for s in targets.values())
-    if total and filled_numel / total < MIN_COVERAGE:
+    if total and filled_numel / total < MIN_COVERAGE and not unread:
         problems.append(f"only {100 * filled_numel / total:.1f}% of the model's {total} parameter elements map to "
                         f"checkpoint keys: the key scheme is not understood (checkpoint keys look like "
                         f"{sorted(source.tensors)[:2]}, model keys like {sorted(targets)[:2]})")

@@ -66,6 +66,9 @@ class CheckpointSource:
     # a file that is an accepted link (hub-cache blob, or inside the folder) -> the target checked
     # at scan time: every later read opens that, not the link again
     targets: dict[str, Path] = field(default_factory=dict)
+    # weight files the checkpoint names that could not be read (missing, a folder, a torn header):
+    # named once in ``problems``; the model tensors they would fill are not listed one by one
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -364,6 +367,19 @@ def read_index(root: str | os.PathLike) -> tuple[dict[str, str], list[str]]:
     return ({}, bad) if bad else (weight_map, [])
 
 
+def _not_a_file(path: Path) -> str:
+    """What is at ``path`` instead of a readable regular file, for a message: 'is missing', 'is a folder'..."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a name no file can have (NUL, lone surrogate)
+        return "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file: put the safetensors file itself there"
+    return "is not a regular file (a device, pipe or socket): put the safetensors file itself there"
+
+
 def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
     """Read config, index and every listed header; collect file-level problems (never raise on them)."""
     root = Path(root)
@@ -384,6 +400,7 @@ def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
     present = sorted(p.name for p in root.iterdir() if p.is_file() and p.name.endswith(".safetensors"))
     index_path = root / INDEX_NAME
     files: list[str] = []
+    lost: set[str] = set()  # shard files named but not readable: their keys are not reported one by one
     weight_map: dict[str, str] = {}
     if INDEX_NAME in refused:
         pass  # named above; its shards are not read either
@@ -399,10 +416,17 @@ def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
                     problems.append(link)
             elif not (root / name).is_file():
                 keys = sorted(k for k, v in weight_map.items() if v == name)
-                problems.append(f"{INDEX_NAME} names {name!r} (e.g. key {keys[0]!r}, {len(keys)} keys) but the file is missing")
+                problems.append(f"{INDEX_NAME} names {name!r} (e.g. key {keys[0]!r}, {len(keys)} keys) but "
+                                f"{root / name} {_not_a_file(root / name)}")
+                lost.add(name)
             else:
                 files.append(name)
         stray = sorted(set(present) - set(listed))
+        odd = sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.name not in listed
+                     and not p.is_symlink() and not p.is_file())
+        for name in odd:
+            problems.append(f"{root / name} is not listed in {INDEX_NAME} and is not a file; torch's "
+                            "HuggingFaceStorageReader reads every *.safetensors in the folder, so move it out")
         if stray:
             problems.append(
                 f"{', '.join(stray)} in {root} {'is' if len(stray) == 1 else 'are'} not listed in {INDEX_NAME}; "
@@ -411,6 +435,10 @@ def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
         files = [n for n in present if n not in refused]
         if len(present) > 1:
             problems.append(f"{root} has {len(present)} safetensors files but no {INDEX_NAME}")
+    elif odd := sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors") and not p.is_symlink()):
+        problems += [f"{root / name} {_not_a_file(root / name)} (the checkpoint has no {INDEX_NAME}, so this would "
+                     "be its weights)" for name in odd]
+        lost.update(odd)
     else:
         pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
         if pickles:
@@ -444,4 +472,4 @@ def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
     for key, name in weight_map.items():
         if key not in tensors and name in files and name not in unread:
             problems.append(f"{INDEX_NAME} lists {_short(key, 200)} in {name} but that file does not hold it")
-    return CheckpointSource(root, config, tensors, files, problems, targets)
+    return CheckpointSource(root, config, tensors, files, problems, targets, sorted(lost | unread))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +27,13 @@ from sq.files import sha256_bytes
 from sq.load.loader import plan_load
 from sq.load.meta import build_skeleton
 from sq.parallel.fsdp import apply_parallel
+from sq.patterns import check_patterns
 from sq.quant.activations import KV_CACHE_SCHEMES, observes_activations
 from sq.quant.algorithms import AlgoConfig, algo_config, make_algorithm
 from sq.agree import agree, argument_facts
 from sq.quant.gptq import GPTQConfig
 from sq.quant.pipeline import raise_all, run_pipeline
-from sq.quant.recipe import make_assigner
+from sq.quant.recipe import ignore_label, make_assigner
 from sq.quant.weights import CheckpointWeights
 
 __all__ = ["PTQConfig", "quantize_model", "auto_ep"]
@@ -81,6 +81,7 @@ class PTQConfig:
     calib_dtype: str = "auto"  # auto | float32 | model: what calibration forwards compute in (compute_dtype)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     verify_source: str = "stat"  # stat | content: how the resume signature and the ranks identify source shards
+    allow_unmatched: bool = False  # --ignore patterns / recipe rules matching no module: warned about, not refused
     trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
@@ -119,11 +120,7 @@ class PTQConfig:
             out.append(f"--kv-cache must be one of {', '.join(KV_CACHE_SCHEMES)}, got {self.kv_cache!r}")
         if not 0 < self.timeout_s < float("inf"):  # NaN fails too; the collective timeout is a timedelta
             out.append(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
-        for pat in self.ignore:
-            try:
-                re.compile(pat)
-            except re.error as e:
-                out.append(f"--ignore {pat!r} is not a valid regular expression: {e}")
+        out += check_patterns(self.ignore, ignore_label)  # bounded matching time: sq.patterns
         try:
             make_assigner(self.scheme, self.group_size, (), None)
         except SqError as e:
@@ -182,8 +179,9 @@ class PTQConfig:
         # the recipe's content (rules and the resolved assignment) is in the signature, not its path;
         # skip_nonfinite decides only what happens to a non-finite weight, which refuses the run
         # without it: a rerun that adds the flag continues the blocks already done
+        # allow_unmatched only decides whether a pattern that matches nothing is refused
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite",
-                  "algo", "algo_settings", "trust_remote_code", "verify_source"):
+                  "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched"):
             d.pop(k)
         if not calibrated:
             for k in CALIBRATION_FIELDS:
@@ -248,7 +246,9 @@ def quantize_model(cfg: PTQConfig) -> dict:
 
     # the windows are cut before the output folder is touched: a corpus too short for
     # --nsamples x --seqlen is refused like every other argument (every rank, same tokens)
-    calib = calibration_windows(tokenize_corpus(tokenizer, text), cfg.nsamples, cfg.seqlen) if text is not None else None
+    # (only the text those windows take is tokenized: sq.calib.data.tokenize_corpus)
+    calib = (calibration_windows(tokenize_corpus(tokenizer, text, need=cfg.nsamples * cfg.seqlen), cfg.nsamples,
+                                 cfg.seqlen) if text is not None else None)
     data = {"spec": cfg.dataset, "sha256": sha256_bytes(text.encode()) if text is not None else None}
     return run_pipeline(cfg, model, weights, assigner, data, lambda: calib,
                         parallelize=lambda compute_dtype: apply_parallel(

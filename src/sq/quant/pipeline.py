@@ -155,6 +155,9 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
                         "every rank needs calibration samples")
     if not targets.assignment:
         problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+    # plan_targets asked the assigner about every module it may quantize: a user pattern that
+    # matched none of them (nor a Linear sq keeps in full precision) is a typo
+    problems += assigner.unmatched_problems(targets.unquantized, allow=cfg.allow_unmatched)
     return problems
 
 
@@ -181,7 +184,7 @@ def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weig
     data), the algorithm's config, the resolved module -> scheme assignment, the world."""
     sig = {
         "source": weights.identity(),
-        "job": cfg.signature_args(calibrated=calibrated),
+        "args": cfg.signature_args(calibrated=calibrated),
         "algorithm": cfg.algo.signature(),
         "schemes": assigner.to_dict(),
         "assignment": targets.assignment,
@@ -408,7 +411,7 @@ class _Pipeline:
         problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
         self.sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
-            self.sig["job"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
+            self.sig["args"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         tokens = self.windows() if self.calibrated else None
         agree(job_facts(self.sig, output=str(self.out.absolute()), config=self.weights.config,

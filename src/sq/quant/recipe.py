@@ -23,29 +23,50 @@ experts are matched by their experts module, ``model.layers.3.mlp.experts``):
 Without a recipe every module gets ``--scheme`` unless ignored.  The resolved assignment (every
 module -> scheme) is part of the resume signature, so two runs that differ only in bit
 allocation never resume each other.
+
+Mistakes are refused, not guessed at: a pattern on which Python's backtracking engine could run
+for ever (``sq.patterns``), a key given twice in the file (YAML and JSON keep the last one
+silently), and -- once the model is known -- an ``--ignore`` pattern or rule that matches no
+module (``Assigner.unmatched_problems``; ``--allow-unmatched`` accepts them with a warning).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sq.errors import SqError
+from sq.patterns import compile_pattern, pattern_problem
 from sq.quant.schemes import QuantScheme, get_scheme
 
+logger = logging.getLogger(__name__)
+
 _MISSING = object()
+ALLOW_UNMATCHED = "pass --allow-unmatched (sq.quantize: allow_unmatched=True) to run anyway"
+
+
+def ignore_label(pattern) -> str:
+    """How an ``--ignore`` pattern is named in messages."""
+    return f"--ignore {pattern!r}"
 
 
 @dataclass(frozen=True)
 class Rule:
     pattern: str
     scheme: QuantScheme | None
+    where: str = field(default="", compare=False)  # how messages name it: "recipe F: rule 2"
 
     def __post_init__(self):
-        object.__setattr__(self, "_re", re.compile(self.pattern))
+        object.__setattr__(self, "_re", compile_pattern(self.pattern, self.label))
+
+    @property
+    def label(self) -> str:
+        return f"{self.where or 'recipe rule'} (match {self.pattern!r})"
 
     def matches(self, name: str) -> bool:
         return self._re.search(name) is not None
@@ -53,22 +74,59 @@ class Rule:
 
 @dataclass(frozen=True)
 class Assigner:
-    """``assign(name) -> QuantScheme | None`` with the precedence in the module docstring."""
+    """``assign(name) -> QuantScheme | None`` with the precedence in the module docstring.
+
+    It remembers every name it was asked about, so that once a job has asked about each module
+    it may quantize, ``unmatched_problems`` can name the user's patterns that matched none."""
 
     default: QuantScheme | None
     rules: tuple[Rule, ...] = ()
     ignore: tuple[str, ...] = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "_ignore", [re.compile(p) for p in self.ignore])
+        object.__setattr__(self, "_ignore", [compile_pattern(p, ignore_label(p)) for p in self.ignore])
+        object.__setattr__(self, "_asked", set())
 
     def assign(self, name: str) -> QuantScheme | None:
+        self._asked.add(name)
         if any(p.search(name) for p in self._ignore):
             return None
         for rule in self.rules:
             if rule.matches(name):
                 return rule.scheme
         return self.default
+
+    def unmatched_problems(self, others: Iterable[str] = (), *, allow: bool = False) -> list[str]:
+        """The ``--ignore`` patterns and recipe rules that match no module (typos: a silent no-op
+        otherwise), judged against every name ``assign`` was asked about and ``others`` (Linears sq
+        never quantizes: ``lm_head``, routers -- an ``--ignore`` of them is harmless, a rule giving
+        them a scheme does nothing and is refused too).  With ``allow`` they are logged as warnings
+        and nothing is refused.  Identical on every rank (the same model, the same names)."""
+        asked = sorted(self._asked)
+        others = sorted(set(others) - self._asked)
+        like = ", ".join(repr(n) for n in (asked or others)[:2])
+        hint = f"module names look like {like}" if like else "the model has no module such a pattern could name"
+        found = []  # (what is wrong, how to fix it)
+        for pat, rx in zip(self.ignore, self._ignore):
+            if not any(rx.search(n) for n in asked) and not any(rx.search(n) for n in others):
+                found.append((f"{ignore_label(pat)} matches no module of this model ({hint}; matched with "
+                              "re.search, e.g. 'lm_head' or 'mlp\\.down_proj$')", "fix the pattern"))
+        for rule in self.rules:
+            if any(rule.matches(n) for n in asked):
+                continue
+            hits = [n for n in others if rule.matches(n)]
+            if not hits:
+                found.append((f"{rule.label} matches no module of this model ({hint})", "fix the pattern"))
+            elif rule.scheme is not None:
+                more = f" and {len(hits) - 3} more" if len(hits) > 3 else ""
+                found.append((f"{rule.label} matches only {', '.join(map(repr, hits[:3]))}{more}, which sq keeps "
+                              "in full precision (outside the decoder blocks, or MoE routers), so the rule changes "
+                              "nothing", "remove the rule"))
+        if allow:
+            for what, _fix in found:
+                logger.warning("%s (accepted: --allow-unmatched)", what)
+            return []
+        return [f"{what}; {fix}, or {ALLOW_UNMATCHED}" for what, fix in found]
 
     def to_dict(self) -> dict[str, Any]:
         return {"default": _scheme_dict(self.default), "ignore": list(self.ignore),
@@ -122,13 +180,15 @@ def make_assigner(scheme: str, group_size: int, ignore=(), recipe: str | Path | 
         if not isinstance(r, dict) or set(r) != {"match", "scheme"}:
             problems.append(f"{where}: expected exactly the keys 'match' and 'scheme', got {r!r}")
             continue
-        try:
-            re.compile(str(r["match"]))
-        except re.error as e:
-            problems.append(f"{where}: match {r['match']!r} is not a valid regular expression: {e}")
+        match = r["match"]
+        if isinstance(match, (int, float)) and not isinstance(match, bool):
+            match = str(match)  # YAML reads `match: 61` as a number
+        bad = pattern_problem(match, f"{where}: match {match!r}")
+        if bad is not None:
+            problems.append(bad)
             continue
         try:
-            rules.append(Rule(str(r["match"]), _parse_scheme(r["scheme"], gs, where)))
+            rules.append(Rule(match, _parse_scheme(r["scheme"], gs, where), where=where))
         except SqError as e:
             problems += e.problems
     if problems:
@@ -151,7 +211,13 @@ def _read(path: Path):
         raise SqError(f"recipe {path}: cannot be read ({e.strerror or e})") from None
     if path.suffix == ".json":
         try:
-            return json.loads(text)
+            return json.loads(text, object_pairs_hook=_unique_pairs)
+        except _DuplicateKey as e:
+            lines = [text.count("\n", 0, m.start()) + 1
+                     for m in re.finditer(re.escape(json.dumps(e.key)) + r"\s*:", text)]
+            at = f" (lines {', '.join(map(str, lines[:-1]))} and {lines[-1]})" if len(lines) > 1 else ""
+            raise SqError(f"recipe {path}: key {e.key!r} is given twice in one object{at}; JSON keeps only the last "
+                          "one silently, so sq refuses the file: remove one") from None
         except json.JSONDecodeError as e:
             raise SqError(f"recipe {path}: not valid JSON (line {e.lineno}: {e.msg})") from None
         except (ValueError, RecursionError) as e:  # an integer of more than 4300 digits, deep nesting
@@ -160,12 +226,59 @@ def _read(path: Path):
         import yaml
 
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+        except _DuplicateKey as e:
+            raise SqError(f"recipe {path}: key {e.key!r} is given twice in one mapping (lines {e.first} and "
+                          f"{e.second}); YAML keeps only the last one silently, so sq refuses the file: remove "
+                          "one") from None
         except yaml.YAMLError as e:
             raise SqError(f"recipe {path}: not valid YAML ({' '.join(str(e).split())})") from None
         except (ValueError, RecursionError) as e:  # e.g. a timestamp out of range, deep nesting
             raise SqError(f"recipe {path}: not valid YAML ({' '.join(str(e).split())[:200]})") from None
     raise SqError(f"recipe {path}: expected a .yaml, .yml or .json file")
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int | None = None, second: int | None = None):
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """``json.loads``' ``object_pairs_hook``: a key given twice in one object is refused."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _unique_key_loader():
+    """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping (``<<`` merges keep
+    their YAML meaning: an explicit key overrides a merged one)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen: dict = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: the constructor below names it
+                continue
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return UniqueKeyLoader
 
 
 def _parse_scheme(spec, group_size, where: str) -> QuantScheme | None:

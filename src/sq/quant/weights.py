@@ -137,6 +137,7 @@ class ModelWeights:
 
     def __init__(self, model: nn.Module, tokenizer=None):
         self.model, self.tokenizer = model, tokenizer
+        self.touched = False  # whether the job began quantizing a block in place (sq.api marks the model)
         blocks = decoder_blocks(model)
         if not blocks:
             raise SqError(f"{type(model).__name__}: no decoder blocks found (expected a *.layers ModuleList)")
@@ -227,8 +228,9 @@ class ModelWeights:
     def block_names(self, b: int) -> list[str]:
         return self._blocks[b]
 
-    def fill(self, names) -> None:  # already in memory
-        pass
+    def fill(self, names) -> None:  # already in memory; a block's weights are about to become dequantized values
+        if names is not self._root:
+            self.touched = True
 
     def free(self, names) -> None:  # the caller's model keeps its (now fake-quantized) weights
         pass
