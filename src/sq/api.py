@@ -131,7 +131,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     from sq.agree import agree, argument_facts
     from sq.anatomy import annotate_experts
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
-    from sq.dist import all_ok, init_distributed
+    from sq.dist import all_ok, init_distributed, teardown_at_exit
     from sq.files import sha256_bytes
     from sq.quant.blockwise import PTQConfig
     from sq.quant.pipeline import run_pipeline
@@ -141,6 +141,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     t_start = time.perf_counter()
     if not dist.is_initialized():
         init_distributed()
+    teardown_at_exit()
     backend = str(dist.get_backend())
     if "nccl" in backend and "gloo" not in backend:  # the same string on every rank: all refuse
         raise SqError(f"sq.quantize: the process group runs {backend} alone, and sq's collectives also carry "

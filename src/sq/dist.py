@@ -6,10 +6,13 @@ A collective timeout is always set, so a dead peer ends the job instead of hangi
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -67,6 +70,7 @@ def init_distributed(
     A group that already exists (e.g. a training framework made it) is reused as is.
     """
     use_cuda = torch.cuda.is_available()
+    teardown_at_exit()
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = env_from_torchrun(environ)[2]
@@ -91,6 +95,32 @@ def init_distributed(
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# how long the interpreter, at exit, leaves the GIL to gloo's worker threads (see teardown_at_exit)
+QUIESCE_S = 0.25
+
+
+def _quiesce() -> None:
+    if dist.is_initialized():
+        time.sleep(QUIESCE_S)
+
+
+@functools.cache
+def teardown_at_exit() -> None:
+    """Let gloo's worker threads finish with Python objects before the interpreter finalizes.
+
+    A gloo worker destroys a finished collective's work object after the caller's ``wait`` returned;
+    the work holds the collective's tensors, and dropping a Python-backed tensor takes the GIL.  A
+    script that returns right after its last collective (``sq.load_sharded``, ``sq.quantize``) could
+    reach ``Py_FinalizeEx`` inside that window: the worker's ``take_gil`` then exits the thread, whose
+    forced unwind through a ``noexcept`` destructor is ``std::terminate`` -- "terminate called without
+    an active exception", exit 1 after the work was done (a core dump shows
+    ``AsyncAllgatherWork::~AsyncAllgatherWork -> decref_pyobject -> take_gil -> pthread_exit``; 4 of 70
+    runs of a 2-rank load script).  An ``atexit`` hook, registered once by every sq entry point that uses
+    the group, sleeps ``QUIESCE_S`` with the GIL released while the interpreter still runs; the CLI
+    leaves through ``sq.cli.exit_process`` (``os._exit``) and never finalizes."""
+    atexit.register(_quiesce)
 
 
 @dataclass(frozen=True)

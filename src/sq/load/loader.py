@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.dist import ParallelDims, uses_nccl
+from sq.dist import ParallelDims, teardown_at_exit, uses_nccl
 from sq.errors import LoadRefused
 from sq.load.fill import (BoxTransform, SqStorageReader, Transposed, agree, dcp_read, fsdp_reset, module_of,
                           requests_for, set_device)
@@ -466,6 +466,7 @@ def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: t
     """
     if not dist.is_initialized():
         raise LoadRefused("load_sharded needs an initialized process group (sq.dist.init_distributed())")
+    teardown_at_exit()  # the caller's process group: its last collectives must settle before finalization
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else "cpu"
     model = build_skeleton(checkpoint_dir, dtype=dtype, trust_remote_code=trust_remote_code)
