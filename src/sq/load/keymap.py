@@ -161,7 +161,7 @@ class _SuffixIndex:
 
 def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
     """Map every checkpoint key to a box of a model tensor, or to ``carried``; collect problems."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, apply_renamings
+    from transformers.core_model_loading import apply_renamings
 
     targets, aliases = model_targets(model)
     km = KeyMap(aliases=aliases)
@@ -238,63 +238,7 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
         conv_of[t] = converter
 
     for t, hits in converter_hits.items():
-        conv = conv_of[t]
-        ops = list(getattr(conv, "operations", []))
-        kinds = [type(op) for op in ops]
-        merge = ops[0] if kinds[:1] == [MergeModulelist] else None
-        concat = ops[-1] if kinds and kinds[-1] is Concatenate else None
-        if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate], [Concatenate]):
-            km.problems.append(
-                f"{t}: checkpoint keys {hits[0][0]!r}... need conversion operations "
-                f"{[k.__name__ for k in kinds]}, which sq cannot read as slices; convert the checkpoint first")
-            continue
-        stack_dim = merge.dim if merge is not None else None
-        # extent of pattern j along the concat dim, in target coordinates
-        extent: dict[int, int] = {}
-        for key, j, _ in hits:
-            shape = list(tensors[key].shape)
-            if stack_dim is not None:
-                shape.insert(stack_dim, 1)
-            if concat is not None:
-                extent.setdefault(j, shape[concat.dim])
-        # every expert of pattern j must have the same shape: name the odd ones out
-        by_pattern: dict[int, list[tuple[int, ...]]] = defaultdict(list)
-        for key, j, _ in hits:
-            by_pattern[j].append(tuple(tensors[key].shape))
-        usual = {j: max(set(shapes), key=shapes.count) for j, shapes in by_pattern.items()}
-        for key, j, _ in hits:
-            if tuple(tensors[key].shape) != usual[j]:
-                km.problems.append(
-                    f"shape mismatch: checkpoint {key!r} is {list(tensors[key].shape)} ({tensors[key].file}) but "
-                    f"the other experts' are {list(usual[j])} (model {t!r} is {list(targets[t])})")
-        for key, j, expert in hits:
-            shape = list(tensors[key].shape)
-            if stack_dim is not None:
-                shape.insert(stack_dim, 1)
-            offsets = [0] * len(shape)
-            if stack_dim is not None:
-                offsets[stack_dim] = expert
-            if concat is not None:
-                offsets[concat.dim] = sum(extent.get(jj, 0) for jj in range(j))
-            pieces[t].append(Piece(key, t, tuple(offsets), tuple(shape), stack_dim, "conversion"))
-        # name every missing (pattern, expert) pair: never stack the rest into the wrong slots
-        if stack_dim is not None:
-            n_experts = targets[t][stack_dim]
-            have = {(j, e) for _, j, e in hits}
-            example = {j: (k, e) for k, j, e in hits}
-            for j, pat in enumerate(conv.source_patterns):
-                if j not in example:
-                    km.problems.append(f"{t}: no checkpoint key matches {pat!r}")
-                    continue
-                k0, e0 = example[j]
-                for e in range(n_experts):
-                    if (j, e) not in have:
-                        mm = _pattern_index_regex(pat).search(k0)
-                        missing = (k0[:mm.start("expert")] + str(e) + k0[mm.end("expert"):] if mm
-                                   else f"{pat} (expert {e})")
-                        km.problems.append(
-                            f"{t}: expert {e} has no checkpoint tensor {missing!r} (pattern {pat!r}); "
-                            f"refusing to stack the other experts into its slot")
+        _converter_pieces(km, t, hits, conv_of[t], tensors, targets, pieces)
 
     # 3. longest unique suffix (on the renamed key as well as the raw one)
     suffix = _SuffixIndex(targets)
@@ -313,6 +257,70 @@ def build_keymap(model: nn.Module, tensors: dict[str, TensorInfo]) -> KeyMap:
     km.pieces = dict(pieces)
     _check_pieces(km, targets, tensors)
     return km
+
+
+def _converter_pieces(km: KeyMap, t: str, hits: list[tuple[str, int, int]], conv, tensors: dict[str, TensorInfo],
+                      targets: dict[str, tuple[int, ...]], pieces: dict[str, list[Piece]]) -> None:
+    """The boxes of target ``t`` that the per-expert / concatenated checkpoint keys ``hits`` ((key, pattern
+    index, expert)) of one converter fill; every odd shape or missing (pattern, expert) pair named."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(getattr(conv, "operations", []))
+    kinds = [type(op) for op in ops]
+    merge = ops[0] if kinds[:1] == [MergeModulelist] else None
+    concat = ops[-1] if kinds and kinds[-1] is Concatenate else None
+    if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate], [Concatenate]):
+        km.problems.append(
+            f"{t}: checkpoint keys {hits[0][0]!r}... need conversion operations "
+            f"{[k.__name__ for k in kinds]}, which sq cannot read as slices; convert the checkpoint first")
+        return
+    stack_dim = merge.dim if merge is not None else None
+    # extent of pattern j along the concat dim, in target coordinates
+    extent: dict[int, int] = {}
+    for key, j, _ in hits:
+        shape = list(tensors[key].shape)
+        if stack_dim is not None:
+            shape.insert(stack_dim, 1)
+        if concat is not None:
+            extent.setdefault(j, shape[concat.dim])
+    # every expert of pattern j must have the same shape: name the odd ones out
+    by_pattern: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+    for key, j, _ in hits:
+        by_pattern[j].append(tuple(tensors[key].shape))
+    usual = {j: max(set(shapes), key=shapes.count) for j, shapes in by_pattern.items()}
+    for key, j, _ in hits:
+        if tuple(tensors[key].shape) != usual[j]:
+            km.problems.append(
+                f"shape mismatch: checkpoint {key!r} is {list(tensors[key].shape)} ({tensors[key].file}) but "
+                f"the other experts' are {list(usual[j])} (model {t!r} is {list(targets[t])})")
+    for key, j, expert in hits:
+        shape = list(tensors[key].shape)
+        if stack_dim is not None:
+            shape.insert(stack_dim, 1)
+        offsets = [0] * len(shape)
+        if stack_dim is not None:
+            offsets[stack_dim] = expert
+        if concat is not None:
+            offsets[concat.dim] = sum(extent.get(jj, 0) for jj in range(j))
+        pieces[t].append(Piece(key, t, tuple(offsets), tuple(shape), stack_dim, "conversion"))
+    # name every missing (pattern, expert) pair: never stack the rest into the wrong slots
+    if stack_dim is not None:
+        n_experts = targets[t][stack_dim]
+        have = {(j, e) for _, j, e in hits}
+        example = {j: (k, e) for k, j, e in hits}
+        for j, pat in enumerate(conv.source_patterns):
+            if j not in example:
+                km.problems.append(f"{t}: no checkpoint key matches {pat!r}")
+                return
+            k0, e0 = example[j]
+            for e in range(n_experts):
+                if (j, e) not in have:
+                    mm = _pattern_index_regex(pat).search(k0)
+                    missing = (k0[:mm.start("expert")] + str(e) + k0[mm.end("expert"):] if mm
+                               else f"{pat} (expert {e})")
+                    km.problems.append(
+                        f"{t}: expert {e} has no checkpoint tensor {missing!r} (pattern {pat!r}); "
+                        f"refusing to stack the other experts into its slot")
 
 
 def _transposed(km: KeyMap, tensors: dict[str, TensorInfo], targets: dict[str, tuple[int, ...]], converters,
