@@ -68,3 +68,20 @@ def edit_header(file, fn) -> None:
     """Rewrite one safetensors file's header as ``fn(header dict)`` returns it; the data bytes are kept."""
     header, data = read_header(file)
     write_header(file, fn(header), data)
+
+
+def load_refusal(path) -> str:
+    """The ``LoadRefused`` message of building and planning ``path``; the skeleton must still be on meta."""
+    import pytest
+
+    from sq.errors import LoadRefused
+    from sq.load.loader import plan_load
+    from sq.load.meta import build_skeleton
+
+    model = None
+    with pytest.raises(LoadRefused) as e:
+        model = build_skeleton(path)
+        plan_load(model, path)
+    if model is not None:
+        assert all(p.device.type == "meta" for p in model.parameters()), "refusal after mutation"
+    return str(e.value)
