@@ -82,6 +82,14 @@ def run_cli(body: Callable[[], object]) -> int:
             pass
 
 
+def _job_store(prefix: str):
+    """The process group's key-value store under ``prefix``: how ranks that may be stuck in a collective
+    still tell each other things (which errors were printed, who timed out, who is leaving)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+
+
 def collective_timed_out(e: BaseException) -> bool:
     """Whether ``e`` is a collective or store operation that gave up waiting for another rank (gloo's
     "Timed out waiting ...ms", NCCL's watchdog, the store's socket timeout)."""
@@ -107,7 +115,7 @@ def _timeout_message(window_s: float = 10.0) -> str:
     head = f"rank {rank}: a collective timed out (--timeout) waiting for another rank"
     tail = "rerun the same command: it resumes from the last block every rank finished"
     try:
-        store = dist.PrefixStore("sq-timeout/", dist.distributed_c10d._get_default_store())
+        store = _job_store("sq-timeout/")
         store.set(str(rank), "1")
         deadline = time.monotonic() + window_s
         while True:
@@ -150,7 +158,7 @@ def _speaks(problems: list[str], timeout_s: float = 5.0) -> bool:
     try:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return True
-        store = dist.PrefixStore("sq-errors/", dist.distributed_c10d._get_default_store())
+        store = _job_store("sq-errors/")
         digest = hashlib.sha256("\n".join(problems).encode()).hexdigest()
         rank = dist.get_rank()
         if rank == 0:
@@ -183,7 +191,7 @@ def _settle(timeout_s: float = 10.0) -> None:
     try:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        store = dist.PrefixStore("sq-settle/", dist.distributed_c10d._get_default_store())
+        store = _job_store("sq-settle/")
         world, rank = dist.get_world_size(), dist.get_rank()
         deadline = time.monotonic() + timeout_s
 

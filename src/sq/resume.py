@@ -99,9 +99,10 @@ def source_identity(source, hashes: dict[str, str] | None = None) -> dict:
         t = source.tensors[key]
         headers.update(f"{key}\0{t.file}\0{t.dtype}\0{list(t.shape)}\0{list(t.offsets)}\n".encode())
     ident["headers_sha256"] = headers.hexdigest()
-    ident["files"] = {f: {"size": (root / f).stat().st_size,
-                          **({"sha256": hashes[f]} if hashes else {"mtime_ns": (root / f).stat().st_mtime_ns})}
-                      for f in source.files}
+    ident["files"] = {}
+    for f in source.files:
+        st = (root / f).stat()
+        ident["files"][f] = {"size": st.st_size, **({"sha256": hashes[f]} if hashes else {"mtime_ns": st.st_mtime_ns})}
     return ident
 
 

@@ -374,13 +374,19 @@ def _transposed(km: KeyMap, tensors: dict[str, TensorInfo], targets: dict[str, t
                 f"conversion mapping reads it (Transpose({op.dim0}, {op.dim1}, check_dims={bool(op.check_dims)}))")
             continue
         if dims is not None and stored[dims[0]] == stored[dims[1]]:
-            kind = re.sub(r"\.\d+\.", ".N.", key)
-            note = (f"{kind} {list(stored)} is square on dimensions {list(dims)}: its orientation cannot be proven "
-                    f"from shapes; read {'transposed' if rule == 'transposed' else 'as stored'}, as transformers' "
-                    f"Transpose({op.dim0}, {op.dim1}, check_dims={bool(op.check_dims)}) reads it")
-            if note not in km.notes:
-                km.notes.append(note)
+            note_once(km.notes, key, f"{list(stored)} is square on dimensions {list(dims)}: its orientation cannot "
+                      f"be proven from shapes; read {'transposed' if rule == 'transposed' else 'as stored'}, as "
+                      f"transformers' Transpose({op.dim0}, {op.dim1}, check_dims={bool(op.check_dims)}) reads it")
     return handled
+
+
+def note_once(notes: list[str], key: str, says: str) -> None:
+    """Add ``"<kind of key> <says>"`` to ``notes`` unless there: one note for every layer's and expert's
+    key of a kind (their indices read ``N``), not one per key."""
+    kind = re.sub(r"\.\d+\.", ".N.", key)
+    note = f"{kind} {says}"
+    if note not in notes:
+        notes.append(note)
 
 
 def _check_pieces(km: KeyMap, targets: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo]) -> None:

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, expert_layout_problem, expert_leaves, is_experts_module,
                         quantization_patch, routers)
+from sq.load.keymap import note_once
 from sq.load.source import TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -179,12 +180,9 @@ def _fused(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: 
         return
     if _patched_split(lay, model, key, info, mod_name):
         return
-    kind = re.sub(r"\.\d+\.", ".N.", key)
-    note = (f"{kind} {list(stored.shape)} is carried unquantized: stored fused"
-            f"{' (transposed against the model)' if transposed is not None else ''}, and transformers' conversion "
-            f"mapping for this model loads no per-expert layout back into it")
-    if note not in lay.notes:
-        lay.notes.append(note)
+    note_once(lay.notes, key, f"{list(stored.shape)} is carried unquantized: stored fused"
+              f"{' (transposed against the model)' if transposed is not None else ''}, and transformers' conversion "
+              f"mapping for this model loads no per-expert layout back into it")
 
 
 def _patched_split(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mod_name: str) -> bool:
@@ -218,10 +216,7 @@ def _patched_split(lay: Layout, model: nn.Module, key: str, info: TensorInfo, mo
         return False
     lay.transposed[key] = [(f"{group}.{x}.{nm}.weight", x, lo, hi) for x in range(e) for nm, lo, hi in parts]
     lay.linears += [f"{mod_name}.{x}.{nm}" for x in range(e) for nm, _, _ in parts]
-    kind = re.sub(r"\.\d+\.", ".N.", key)
-    note = (f"{kind} {list(info.shape)} is carried unquantized, per expert and transposed to [out, in] "
-            f"({', '.join(nm for nm, _, _ in parts)}): the only layout transformers loads back for "
-            f"{type(mod).__name__} in a compressed-tensors checkpoint")
-    if note not in lay.notes:
-        lay.notes.append(note)
+    note_once(lay.notes, key, f"{list(info.shape)} is carried unquantized, per expert and transposed to [out, in] "
+              f"({', '.join(nm for nm, _, _ in parts)}): the only layout transformers loads back for "
+              f"{type(mod).__name__} in a compressed-tensors checkpoint")
     return True
