@@ -1,26 +1,28 @@
-"""Perplexity of any checkpoint (full precision or compressed-tensors quantized).
+"""Perplexity of any checkpoint (full precision or compressed-tensors quantized), in transformers or vLLM.
 
     python -m sq.eval --model DIR_OR_demo:NAME [--dataset builtin:pydoc] [--seqlen 512] [--nwindows 40]
+    python -m sq.eval --model DIR --engine vllm      # the same windows scored by vLLM (its own venv)
+    python -m sq.eval --model DIR --engine both      # both, plus greedy tokens; exit 1 when they disagree
 
 Scores the last ``nwindows`` windows of the tokenized corpus (see ``sq.calib.data``); each
 window is scored alone (no context carried over), perplexity = exp(mean NLL over every
 predicted token), logits in fp32.  transformers loads quantized checkpoints by itself when
-``config.json`` carries a ``quantization_config``.
+``config.json`` carries a ``quantization_config``.  vLLM gets the same token ids and scores them
+from its prompt logprobs (``sq.engines``; docs/serving.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 
 from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus, tokenize_corpus
 from sq.demo import resolve_model_dist
+from sq.engines.reference import load as load_model
+from sq.engines.reference import perplexity
 from sq.errors import SqError
 from sq.memory import bound_cpu_kernel_caches
 
@@ -28,40 +30,9 @@ logger = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Perplexity of a checkpoint (full precision, or quantized by sq: compressed-tensors) on
-the last windows of a text corpus, each window scored alone, fp32 on CPU.
+the last windows of a text corpus, each window scored alone: in transformers (fp32 on CPU),
+in vLLM (the way it will be served; vLLM runs in its own venv), or both side by side.
 One process: python -m sq.eval."""
-
-
-@torch.no_grad()
-def perplexity(
-    model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4, progress: bool = False
-) -> float:
-    """exp(mean next-token NLL) of ``windows[n, seqlen]``, each window scored independently.
-
-    Every window predicts its tokens 1..seqlen-1, so ``n * (seqlen - 1)`` tokens count.  The
-    NLL sum is accumulated in float64 so the result does not depend on ``batch_size``
-    beyond fp32 logit rounding.
-    """
-    if windows.dim() != 2 or windows.shape[1] < 2:
-        raise SqError(f"perplexity needs windows [n, seqlen >= 2], got shape {tuple(windows.shape)}")
-    if batch_size < 1:
-        raise SqError(f"batch size must be >= 1, got {batch_size}")
-    device = next(model.parameters()).device
-    batches = list(torch.split(windows, batch_size))
-    if progress:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc="perplexity", unit="batch")
-    nll = 0.0
-    count = 0
-    for batch in batches:
-        batch = batch.to(device)
-        logits = model(input_ids=batch, use_cache=False).logits.float()  # [b, seqlen, vocab]
-        pred = logits[:, :-1].reshape(-1, logits.shape[-1])  # [b*(seqlen-1), vocab]
-        target = batch[:, 1:].reshape(-1)  # [b*(seqlen-1)]
-        nll += F.cross_entropy(pred, target, reduction="sum").double().item()
-        count += target.numel()
-    return math.exp(nll / count)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,25 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nwindows", type=int, default=40, metavar="N", help="score the last N windows of the corpus")
     p.add_argument("--batch-size", type=int, default=4, metavar="N", help="windows per forward pass")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("--engine", choices=["transformers", "vllm", "both"], default="transformers",
+                   help="who scores the windows: transformers (fp32), vLLM (its offline LLM API in its own venv), or "
+                        "both (also greedy tokens of --prompt; exit 1 when they disagree, docs/serving.md)")
+    p.add_argument("--engine-python", metavar="PATH",
+                   help="python of a venv with vLLM (default: $SQ_VLLM_PYTHON, else .venv-vllm beside this venv, "
+                        "else this python if it imports vllm)")
+    p.add_argument("--engine-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="vLLM's compute dtype; auto: the checkpoint's dtype, as vLLM serves it")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="prompt for the greedy tokens of --engine both (default: a fixed Python snippet)")
+    p.add_argument("--new-tokens", type=int, default=32, metavar="N", help="greedy tokens compared by --engine both")
     return p
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
-
-
-def _load(spec: str, source, *, model: bool):
-    """The tokenizer (or, with ``model``, the fp32 CPU model) of ``source``; a failure as one sq line."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        if not model:
-            return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu",
-                                                    trust_remote_code=False, use_safetensors=True).eval()
-    except (OSError, ValueError, KeyError) as e:
-        reason = " ".join(str(e).split())  # one line per problem, as every sq error
-        raise SqError(f"cannot load model {spec!r} ({source}): {reason}") from e
 
 
 def _refuse_unsafe(source) -> None:
@@ -148,21 +116,56 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve_model_dist(args.model)  # a hub id: config, tokenizer, safetensors only
         _refuse_unsafe(source)
         _refuse_pickle(source)
-        tokenizer = _load(args.model, source, model=False)
+        tokenizer = load_model(args.model, source, model=False)
         tokens = tokenize_corpus(tokenizer, corpus.text(tokenizer))  # chat records need the tokenizer
         windows = eval_windows(tokens, args.nwindows, args.seqlen)
-        model = _load(args.model, source, model=True)
-        ppl = perplexity(model, windows, batch_size=args.batch_size, progress=args.progress)
+        if args.engine == "both":
+            return _both(args, source, tokenizer, windows)
+        if args.engine == "vllm":
+            from sq.engines.vllm_client import engine_version, run_vllm
+
+            served = run_vllm(source, windows=windows, dtype=args.engine_dtype, python=args.engine_python)
+            ppl = served.perplexity
+            for problem in served.problems:
+                print(f"vLLM warned: {problem}", file=sys.stderr)
+        else:
+            model = load_model(args.model, source, model=True)
+            ppl = perplexity(model, windows, batch_size=args.batch_size, progress=args.progress)
     except SqError as e:
         for problem in e.problems:
             print(f"sq: error: {problem}", file=sys.stderr)
         return 2
     print(f"perplexity: {ppl:.2f}")
+    if args.engine == "vllm":
+        print(f"engine: vLLM {engine_version(served.versions)}, dtype {args.engine_dtype}, "
+              f"schemes {served.schemes or 'none (unquantized)'}")
     print(
         f"tokens: {windows.numel()} in {args.nwindows} windows of {args.seqlen} "
         f"({args.nwindows * (args.seqlen - 1)} predicted), corpus {tokens.numel()}"
     )
     return 0
+
+
+def _both(args, source, tokenizer, windows) -> int:
+    """--engine both: perplexity and greedy tokens in transformers and vLLM; 1 when they disagree."""
+    from sq.engines.compare import PROMPT, compare
+    from sq.engines.vllm_client import engine_version
+
+    prompt = tokenizer(args.prompt if args.prompt is not None else PROMPT)["input_ids"]
+    result = compare(source, windows, prompt, new_tokens=args.new_tokens, dtype=args.engine_dtype,
+                     python=args.engine_python)
+    record = result.record()
+    print(f"perplexity: transformers {record['transformers_ppl']:.2f}, vLLM {record['vllm_ppl']:.2f} "
+          f"({record['gap']:+.2%}; vLLM {engine_version(record['versions'])}, dtype {args.engine_dtype})")
+    d = record["divergence"]
+    print(f"greedy: {record['greedy_agree']} of {record['greedy_len']} tokens agree"
+          + ("" if d is None else f"; first divergence at step {d['position']}: transformers {d['transformers']} "
+             f"(margin {d['transformers_margin']:.3f}), vLLM {d['vllm']} (margin {d['vllm_margin']:.3f})"))
+    print(f"vLLM schemes: {record['schemes'] or 'none (unquantized)'}")
+    for failure in record["failures"]:
+        print(f"sq: engines disagree: {failure}", file=sys.stderr)
+    print("engines agree" if not record["failures"] else "engines disagree")
+    return 1 if record["failures"] else 0
 
 
 if __name__ == "__main__":

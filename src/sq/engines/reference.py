@@ -1,0 +1,97 @@
+"""transformers as the reference engine: the fp32 CPU model, perplexity, per-token log-probabilities, greedy steps.
+
+``python -m sq.eval`` scores with these; ``sq.engines.compare`` puts them beside vLLM's.  Windows are
+``[n, seqlen]`` token ids, each scored alone (no context carried over), logits in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from sq.errors import SqError
+
+
+def load(spec: str, source, *, model: bool):
+    """The tokenizer (or, with ``model``, the fp32 CPU model) of ``source``; a failure as one sq line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        if not model:
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu",
+                                                    trust_remote_code=False, use_safetensors=True).eval()
+    except (OSError, ValueError, KeyError) as e:
+        reason = " ".join(str(e).split())  # one line per problem, as every sq error
+        raise SqError(f"cannot load model {spec!r} ({source}): {reason}") from e
+
+
+@torch.no_grad()
+def perplexity(
+    model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4, progress: bool = False
+) -> float:
+    """exp(mean next-token NLL) of ``windows[n, seqlen]``, each window scored independently.
+
+    Every window predicts its tokens 1..seqlen-1, so ``n * (seqlen - 1)`` tokens count.  The
+    NLL sum is accumulated in float64 so the result does not depend on ``batch_size``
+    beyond fp32 logit rounding.
+    """
+    if windows.dim() != 2 or windows.shape[1] < 2:
+        raise SqError(f"perplexity needs windows [n, seqlen >= 2], got shape {tuple(windows.shape)}")
+    if batch_size < 1:
+        raise SqError(f"batch size must be >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    batches = list(torch.split(windows, batch_size))
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="perplexity", unit="batch")
+    nll = 0.0
+    count = 0
+    for batch in batches:
+        batch = batch.to(device)
+        logits = model(input_ids=batch, use_cache=False).logits.float()  # [b, seqlen, vocab]
+        pred = logits[:, :-1].reshape(-1, logits.shape[-1])  # [b*(seqlen-1), vocab]
+        target = batch[:, 1:].reshape(-1)  # [b*(seqlen-1)]
+        nll += F.cross_entropy(pred, target, reduction="sum").double().item()
+        count += target.numel()
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def token_logprobs(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+    """``[n, seqlen - 1]`` fp32 log-probabilities of every window's tokens 1.. given the tokens before."""
+    device = next(model.parameters()).device
+    out = []
+    for batch in torch.split(windows, batch_size):
+        batch = batch.to(device)
+        logits = model(input_ids=batch, use_cache=False).logits.float()
+        logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+        out.append(logprobs.gather(-1, batch[:, 1:, None])[..., 0].cpu())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[dict]:
+    """``new_tokens`` greedy steps after ``prompt`` (no stop on EOS), each ``{"token", "top": [[id, logprob] x2]}``.
+
+    The top-2 log-probabilities (fp32 log-softmax of the step's logits) say how close each choice
+    was, so a divergence from another engine can be told apart from a near-tie.
+    """
+    if not prompt:
+        raise SqError("greedy decoding needs a non-empty prompt")
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    past = None
+    steps = []
+    for _ in range(new_tokens):
+        out = model(input_ids=ids if past is None else ids[:, -1:], cache=past, use_cache=True)
+        past = out.cache
+        logprobs = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        top = torch.topk(logprobs, 2)
+        token = int(top.indices[0])
+        steps.append({"token": token, "top": [[int(i), float(v)] for i, v in zip(top.indices, top.values)]})
+        ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+    return steps
