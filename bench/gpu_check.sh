@@ -13,7 +13,10 @@
 #   1. carried wheels (if any) into /tmp/site; sq from src/ on PYTHONPATH;
 #   2. tests_gpu/ (NCCL, one GPU per rank, up to 2);
 #   3. the standard benchmark on one GPU: demo:smollm2 W4A16 group 64, 128 x 512 pydoc tokens,
-#      RTN and GPTQ, wall time and perplexity (sq.eval, last 40 windows of 512).
+#      RTN and GPTQ, wall time and perplexity (sq.eval, last 40 windows of 512);
+#   4. serving: `bench/serving.py gpu` when the image's python imports vLLM -- NVFP4, MXFP4, MXFP8, W8A16,
+#      static FP8 (+ fp8 KV cache), FP8_BLOCK and MoE W4A16 / FP8_DYNAMIC outputs compared in vLLM on the
+#      GPU against transformers (records in $OUT/serving_gpu.jsonl).
 # Everything it prints also goes to $OUT/gpu_check.log ($OUT: the device tool's result folder; else
 # bench/_work/gpu). First run 2026-12-04 on one H200: docs/benchmarks.md, "On a GPU".
 set -uo pipefail
@@ -63,5 +66,13 @@ for algo in rtn gptq; do
     [ -f "$W/$algo/sq_report.json" ] && cp "$W/$algo/sq_report.json" "$OUT/sq_report_$algo.json"
     timeout 120 $PY -m sq.eval --model "$W/$algo" 2>&1 | tail -2
 done
+echo "== serving: what vLLM's CPU build cannot run, in the GPU's vLLM (docs/serving.md)"
+if $PY -c "import vllm" 2>/dev/null; then
+    # the device image's own vLLM (a vLLM CUDA wheel is far over the 64 MiB the device tool carries)
+    timeout 240 $PY bench/serving.py gpu --model "$MODEL" --engine-python "$(command -v $PY)" --nwindows 4 2>&1 \
+        | grep '^{' || echo "serving step failed or timed out"
+else
+    echo "no vLLM in the device image: the GPU serving rows stay 'not checked in an engine'"
+fi
 rm -rf "$W"
 echo "== done $(date -u +%FT%TZ)"

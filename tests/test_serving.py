@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
 
 from harness import run_cli, run_python
-from sq.engines.compare import PROMPT, Case, Divergence, compare_all, first_divergence
+from sq.engines.compare import PROMPT, Case, Divergence, compare_all, dequantized_copy, first_divergence
 from sq.engines.vllm_client import engine_python
 from sq.errors import SqError
 
@@ -83,39 +82,6 @@ CASES = [
 ]
 
 
-def _dequantized_copy(src, dst, scheme_name: str, group_size: int):
-    """``src`` (a sq output) as a dense bf16 checkpoint: every quantized Linear replaced by sq's own
-    dequantization of its tensors, everything else copied -- what the output means, read without
-    compressed-tensors (transformers cannot load an asymmetric pack-quantized output, docs/output.md)."""
-    from safetensors.torch import load_file, save_file
-
-    from sq.export.compressed import decompress_weight
-    from sq.quant.schemes import get_scheme
-
-    scheme = get_scheme(scheme_name, group_size)
-    dst.mkdir()
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    dense, groups = {}, {}
-    for key, t in tensors.items():
-        module, _, name = key.rpartition(".")
-        if name.startswith("weight_") and name != "weight":
-            groups.setdefault(module, {})[name] = t
-        else:
-            dense[key] = t
-    for module, parts in groups.items():
-        dense[f"{module}.weight"] = decompress_weight(parts, scheme).to(torch.bfloat16)
-    save_file(dense, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config")
-    (dst / "config.json").write_text(json.dumps(config))
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(f, dst / f.name)
-    return dst
-
-
 def _untied(smollm2_ckpt, ckpt):
     """The demo model with an ``lm_head.weight`` stored beside its tied embeddings (half of them)."""
     from safetensors.torch import load_file, save_file
@@ -140,13 +106,23 @@ def served(engine, smollm2_ckpt, demo_tokens, served_dir):
         out = _quantize(served_dir, smollm2_ckpt, algo, scheme)
         reference = None
         if scheme == "W4A16_ASYM":
-            reference = _dequantized_copy(out, served_dir / "dense-W4A16_ASYM", scheme, 64)
+            reference = dequantized_copy(out, served_dir / "dense-W4A16_ASYM", scheme, 64)
         cases[f"{algo}-{scheme}"] = Case(out, dtype, reference)
     cases["rtn-W8A16"] = Case(_quantize(served_dir, smollm2_ckpt, "rtn", "W8A16"), "bfloat16")
     cases["untied"] = Case(_untied(smollm2_ckpt, served_dir / "untied"), "float32")
     windows, prompt = demo_tokens
     results = compare_all(list(cases.values()), windows, prompt, python=engine, timeout=1500)
     return dict(zip(cases, results))
+
+
+def _xfail_if_the_engine_has_no_kernel_here(error: SqError) -> None:
+    """vLLM's CPU build loads one of three kernel libraries by the CPU's ISA (``CpuPlatform.import_kernels``:
+    ``_C`` with avx512_bf16, ``_C_AVX512``, ``_C_AVX2``), and ``_C_AVX2`` has no WNA16 GEMM.  On such a machine
+    an int4 output cannot be served by this engine at all: reported as an expected failure naming the
+    reason, never on a machine whose library has the kernel (there it fails)."""
+    missing = re.search(r"cpu_gemm_wna16|Failed to find a kernel|not implemented for", str(error))
+    if missing and not torch.cpu._is_avx512_supported():
+        pytest.xfail(f"vLLM's AVX2 kernel library cannot serve this preset on this CPU: {error}")
 
 
 @pytest.mark.parametrize("algo,scheme,dtype,expected", CASES, ids=[f"{a}-{s}" for a, s, _, _ in CASES])
@@ -159,6 +135,7 @@ def test_vllm_serves_it_as_transformers_reads_it(served, algo, scheme, dtype, ex
     """
     result = served[f"{algo}-{scheme}"]
     if isinstance(result, SqError):
+        _xfail_if_the_engine_has_no_kernel_here(result)
         raise result
     record = result.record()
     print(json.dumps(record))  # the CI log keeps the numbers
@@ -173,8 +150,8 @@ def test_a_preset_the_cpu_engine_cannot_run_is_one_clear_error(served):
     (the GPU check covers this preset, bench/gpu_check.sh)."""
     error = served["rtn-W8A16"]
     assert isinstance(error, SqError)
-    assert re.fullmatch(r"vLLM 0\.32\.0 cannot serve \S+/rtn-W8A16: ValueError: Failed to find a kernel .*"
-                        r"supported types are: \(ScalarType\.uint4, ScalarType\.uint4b8\)", str(error)), str(error)
+    assert re.fullmatch(r"vLLM 0\.32\.0 cannot serve \S+/rtn-W8A16: ValueError: Failed to find a kernel that can "
+                        r"implement the WNA16 linear layer\. Reasons: .*uint8b128.*", str(error)), str(error)
     assert not isinstance(served["untied"], SqError)
 
 

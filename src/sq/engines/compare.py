@@ -182,6 +182,44 @@ def compare_all(cases: list[Case], windows, prompt: list[int], *, new_tokens: in
     return out
 
 
+def dequantized_copy(src: str | Path, dst: str | Path, scheme_name: str, group_size: int) -> Path:
+    """``src`` (a sq output of one preset) as a dense bf16 checkpoint in ``dst``: every quantized Linear
+    replaced by sq's own dequantization of its tensors, everything else copied.
+
+    What the output means, readable without compressed-tensors: the reference for a preset transformers
+    cannot load (an asymmetric pack-quantized checkpoint, docs/serving.md).
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from sq.export.compressed import decompress_weight
+    from sq.quant.schemes import get_scheme
+
+    src, dst = Path(src), Path(dst)
+    scheme = get_scheme(scheme_name, group_size)
+    dst.mkdir(parents=True)
+    dense, groups = {}, {}
+    for f in sorted(src.glob("*.safetensors")):
+        for key, t in load_file(f).items():
+            module, _, name = key.rpartition(".")
+            if name.startswith("weight_"):  # weight_packed, weight_scale, weight_zero_point, weight_shape
+                groups.setdefault(module, {})[name] = t
+            else:
+                dense[key] = t
+    for module, parts in groups.items():
+        dense[f"{module}.weight"] = decompress_weight(parts, scheme).to(torch.bfloat16)
+    save_file(dense, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
 def compare(model_dir: str | Path, windows, prompt: list[int], *, dtype: str = "auto", reference=None,
             **kwargs) -> Comparison:
     """``compare_all`` for one checkpoint; raises SqError when vLLM cannot serve it."""
