@@ -26,7 +26,8 @@ is served, not its quality):
 the preset calibrates) of NVFP4A16, NVFP4, MXFP4A16, MXFP8, W8A16, FP8 (static) and FP8 with an fp8 KV
 cache on ``--model`` (the demo model, or gpu_check.sh's random-weight SmolLM2), FP8_BLOCK on a random
 Llama with widths that are multiples of 128, W4A16 and FP8_DYNAMIC on a random Qwen3-MoE; each
-compared in the GPU's vLLM (``--engine-python``, default this python) with ``dtype auto``.  Records go
+compared in the GPU's vLLM (``--engine-python``, default as ``sq.engines.vllm_client.engine_python``: this
+python when it imports vLLM, as on the device image) with ``dtype auto``.  Records go
 to ``$OUT/serving_gpu.jsonl`` (or ``bench/_work/serving``).
 
 Records go to ``bench/_work/serving/results.jsonl`` (one line per output, with the failures the serving
@@ -73,7 +74,7 @@ def llmc_worker(args) -> int:
     if args.algo == "gptq":
         recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"])]
     elif args.algo == "awq":
-        recipe = [AWQModifier(duo_scaling=True, n_grid=20, ignore=["lm_head"]),
+        recipe = [AWQModifier(duo_scaling=True, n_grid=20),
                   QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     else:
         recipe = [QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
@@ -256,8 +257,7 @@ def cmd_gpu(args) -> int:
             tokens = tokenize_corpus(tokenizer, read_corpus(BUILTIN_PYDOC).text(tokenizer))
             windows = eval_windows(tokens, args.nwindows, 256)
             prompt = tokenizer(PROMPT)["input_ids"]
-            results = compare_all([c for _, c in named], windows, prompt, python=args.engine_python or sys.executable,
-                                  timeout=1200)
+            results = compare_all([c for _, c in named], windows, prompt, python=args.engine_python, timeout=1200)
             for (name, _), result in zip(named, results):
                 rec = {"case": name, "status": f"vLLM refused: {result}"} if isinstance(result, Exception) \
                     else {"case": name, "status": "compared", **result.record()}

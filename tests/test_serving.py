@@ -186,6 +186,15 @@ def test_eval_engine_vllm_without_an_engine_is_one_clear_error(smollm2_ckpt, tmp
     assert f"sq: error: --engine-python {tmp_path}/nowhere/python: no such file" in result.stderr
 
 
+def test_an_interpreter_without_vllm_is_one_clear_error(smollm2_ckpt):
+    import sys
+
+    from sq.engines.vllm_client import run_vllm
+
+    with pytest.raises(SqError, match=r"^\S+ cannot run vLLM: ModuleNotFoundError: No module named 'vllm'$"):
+        run_vllm(smollm2_ckpt, prompt=[1, 2], new_tokens=1, python=sys.executable, timeout=300)
+
+
 def test_first_divergence_and_near_ties():
     def step(token, top):
         return {"token": token, "top": top}

@@ -156,26 +156,39 @@ class Case:
     reference: str | Path | None = None
 
 
-def _transformers(case: Case, windows, prompt: list[int], new_tokens: int) -> tuple[list, list]:
+def _transformers(case: Case, windows, prompt: list[int], new_tokens: int) -> tuple[list, list] | SqError:
+    """transformers' per-token logprobs and greedy steps, or the SqError saying why it cannot score the case."""
     source = Path(case.reference or case.model)
-    model = load(str(source), source, model=True)
-    return token_logprobs(model, windows).tolist(), greedy(model, prompt, new_tokens)
+    try:
+        model = load(str(source), source, model=True)
+        return token_logprobs(model, windows).tolist(), greedy(model, prompt, new_tokens)
+    except SqError as e:
+        return e
+    except (RuntimeError, ValueError, KeyError, NotImplementedError) as e:  # the library's forward on this format
+        return SqError(f"transformers cannot score {source}: {type(e).__name__}: {' '.join(str(e).split())[:500]}")
 
 
 def compare_all(cases: list[Case], windows, prompt: list[int], *, new_tokens: int = NEW_TOKENS, python=None,
                 max_gap: float = MAX_GAP, timeout: float = 1800.0) -> list[Comparison | SqError]:
     """Every case scored by transformers here (one model at a time), then by vLLM in one engine process.
 
-    Per case: its Comparison, or the SqError saying why vLLM could not serve it.
+    Per case: its Comparison, or the SqError saying why transformers could not score it (then vLLM is not
+    asked) or why vLLM could not serve it.
     """
     references = [_transformers(case, windows, prompt, new_tokens) for case in cases]
-    jobs = [Job(case.model, windows=windows, prompt=prompt, new_tokens=new_tokens, dtype=case.dtype) for case in cases]
-    runs = run_vllm_jobs(jobs, python=python, timeout=timeout)
+    served = [c for c, r in zip(cases, references) if not isinstance(r, SqError)]
+    jobs = [Job(case.model, windows=windows, prompt=prompt, new_tokens=new_tokens, dtype=case.dtype) for case in served]
+    runs = iter(run_vllm_jobs(jobs, python=python, timeout=timeout) if jobs else [])
     out: list[Comparison | SqError] = []
-    for case, (logprobs, tokens), run in zip(cases, references, runs):
+    for case, reference in zip(cases, references):
+        if isinstance(reference, SqError):  # no reference to compare with: not served either
+            out.append(reference)
+            continue
+        run = next(runs)
         if isinstance(run, SqError):
             out.append(run)
             continue
+        logprobs, tokens = reference
         out.append(Comparison(model=str(case.model), transformers_logprobs=logprobs, vllm=run,
                               transformers_greedy=tokens, dtype=case.dtype, quantized=is_quantized(case.model),
                               max_gap=max_gap))

@@ -14,14 +14,31 @@ import torch.nn.functional as F
 from sq.errors import SqError
 
 
+# compressed-tensors 0.20 decompresses these formats to bfloat16 whatever the model's dtype, so a float32
+# model fails its first forward ("expected m1 and m2 to have the same dtype"): such a checkpoint is
+# scored in bfloat16 (docs/output.md, "Which engines load them").
+BF16_FORMATS = frozenset({"nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized"})
+
+
+def compute_dtype(source) -> torch.dtype:
+    """float32, or bfloat16 for a checkpoint holding a format the library decompresses only to bfloat16."""
+    import json
+    from pathlib import Path
+
+    config = Path(source) / "config.json"
+    qc = json.loads(config.read_text()).get("quantization_config") or {} if config.is_file() else {}
+    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
+    return torch.bfloat16 if formats & BF16_FORMATS else torch.float32
+
+
 def load(spec: str, source, *, model: bool):
-    """The tokenizer (or, with ``model``, the fp32 CPU model) of ``source``; a failure as one sq line."""
+    """The tokenizer (or, with ``model``, the CPU model in ``compute_dtype``) of ``source``; a failure as one sq line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         if not model:
             return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu",
+        return AutoModelForCausalLM.from_pretrained(source, dtype=compute_dtype(source), device_map="cpu",
                                                     trust_remote_code=False, use_safetensors=True).eval()
     except (OSError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())  # one line per problem, as every sq error

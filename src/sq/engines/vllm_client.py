@@ -176,6 +176,9 @@ def run_vllm_jobs(jobs: list[Job], *, python: str | os.PathLike | None = None,
             raise SqError(f"vLLM ({interpreter}) exited {proc.returncode} without a result: {tail}")
         result = json.loads(result_path.read_text())
     versions = result.get("versions", {})
+    if "error" in result:
+        error = result["error"]
+        raise SqError(f"{interpreter} cannot run vLLM: {error['type']}: {error['message']}")
     out: list[EngineRun | SqError] = []
     for i, request in enumerate(requests):
         model = request["model"]

@@ -144,6 +144,13 @@ def _error(e: BaseException) -> dict:
             "traceback": "".join(traceback.format_exception(e))[-6000:]}
 
 
+def _write(path: str, result: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_worker.py REQUEST.json RESULT.json", file=sys.stderr)
@@ -163,6 +170,11 @@ def main(argv: list[str]) -> int:
     root.addHandler(echo)
     import warnings
 
+    try:
+        import vllm  # noqa: F401 -- before any job: an interpreter without vLLM is one error, not one per job
+    except Exception as e:  # noqa: BLE001 -- reported to the driver
+        _write(result_path, {"error": _error(e), "versions": _versions()})
+        return 1
     results = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -181,10 +193,7 @@ def main(argv: list[str]) -> int:
             results.append(result | {"log": collect.records[first:]})
     out = {"results": results, "python_warnings": sorted({f"{w.category.__name__}: {w.message}" for w in caught}),
            "versions": _versions(), "pid": os.getpid()}
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f)
-    os.replace(tmp, result_path)
+    _write(result_path, out)
     return 1 if any("error" in r for r in results) or len(results) < len(request["jobs"]) else 0
 
 
