@@ -18,7 +18,6 @@ import logging
 import sys
 from pathlib import Path
 
-
 from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus, tokenize_corpus
 from sq.demo import resolve_model_dist
 from sq.engines.reference import load as load_model
@@ -56,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, metavar="N", help="windows per forward pass")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     p.add_argument("--engine", choices=["transformers", "vllm", "both"], default="transformers",
-                   help="who scores the windows: transformers (fp32), vLLM (its offline LLM API in its own venv), or "
+                   help="who scores the windows: transformers (fp32; bf16 for NVFP4 / MX formats), vLLM (its offline LLM API in its own venv), or "
                         "both (also greedy tokens of --prompt; exit 1 when they disagree, docs/serving.md)")
     p.add_argument("--engine-python", metavar="PATH",
                    help="python of a venv with vLLM (default: $SQ_VLLM_PYTHON, else .venv-vllm beside this venv, "
