@@ -145,14 +145,15 @@ def test_api_calls_with_other_arguments_per_rank_are_refused(tmp_path, field, va
         assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.parametrize("model_free", [False, True], ids=["model", "model-free"])
 @pytest.mark.parametrize("verify", ["stat", "content"])
-def test_a_shard_edited_in_place_with_its_mtime_restored(llama_ckpt, tmp_path, verify):
+def test_a_shard_edited_in_place_with_its_mtime_restored(llama_ckpt, tmp_path, verify, model_free):
     """`cp -p` / `rsync -a` over a shard: stat cannot tell (documented: "already complete" on the old bytes);
-    content re-hashes the shards and names the changed one."""
+    content re-hashes the shards and names the changed one -- on the model path and model-free alike."""
     src = copy_ckpt(llama_ckpt, tmp_path / "src")
     out = tmp_path / "out"
     args = ["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "W4A16", "--algo", "rtn",
-            "--group-size", "16", "--verify-source", verify]
+            "--group-size", "16", "--verify-source", verify, *(["--model-free"] if model_free else [])]
     assert run_cli(args, 1, timeout=120).returncode == 0
     index = (src / "model.safetensors.index.json").read_bytes()
     stats = {f: f.stat() for f in src.glob("*.safetensors")}

@@ -9,9 +9,7 @@ Malformed input files: ``test_hostile_inputs.py``; links and remote code: ``test
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import subprocess
 import sys
 import threading

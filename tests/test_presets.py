@@ -32,7 +32,6 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 from sq.errors import SqError
 from sq.export.compressed import compress_weight, compressed_names, decompress_weight, quantization_config
 from sq.quant import formats, rtn
-from sq.quant import primitives as P
 from sq.quant.recipe import make_assigner, scheme_tag
 from sq.quant.schemes import (
     PRESET_NAMES,

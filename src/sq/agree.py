@@ -90,8 +90,8 @@ def agree(facts: dict, what: str, *, limit: int = 6) -> None:
                         f"{others} {'have' if len(differ) > 1 else 'has'} {_show(views[r].get(field))}")
     if len(problems) > limit:
         problems = problems[:limit] + [f"... and {len(problems) - limit} more {what} fields differ"]
-    problems.append(f"every rank must run the same job on the same inputs (the same command, checkpoint copy, "
-                    f"tokenizer and software versions); nothing was written")
+    problems.append("every rank must run the same job on the same inputs (the same command, checkpoint copy, "
+                    "tokenizer and software versions); nothing was written")
     raise SqError(problems)
 
 

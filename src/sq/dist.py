@@ -57,6 +57,11 @@ def uses_nccl() -> bool:
     return "nccl" in str(dist.get_backend())
 
 
+def rank_device() -> torch.device:
+    """Where this rank computes: its current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else torch.device("cpu")
+
+
 def init_distributed(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load as st_load
 
-from sq.agree import agree, argument_facts, job_facts
+from sq.agree import agree, argument_facts, content_hashes, job_facts
 from sq.dist import rank0_stage, uses_nccl
 from sq.errors import SqError
 from sq.export import writer

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.dist import ParallelDims, teardown_at_exit, uses_nccl
+from sq.dist import ParallelDims, rank_device, teardown_at_exit
 from sq.errors import LoadRefused
 from sq.load.fill import (BoxTransform, SqStorageReader, Transposed, agree, dcp_read, fsdp_reset, module_of,
                           requests_for, set_device)
@@ -468,7 +468,7 @@ def load_sharded(checkpoint_dir: str | Path, *, ep: int = 1, mesh=None, dtype: t
         raise LoadRefused("load_sharded needs an initialized process group (sq.dist.init_distributed())")
     teardown_at_exit()  # the caller's process group: its last collectives must settle before finalization
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else "cpu"
+        device = rank_device()
     model = build_skeleton(checkpoint_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     plan = plan_load(model, checkpoint_dir, trust_remote_code=trust_remote_code)
     if mesh is None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from sq.anatomy import decoder_blocks, experts_modules
 from sq.calib.data import calibration_windows, load_tokenizer, read_corpus_dist, tokenize_corpus
 from sq.demo import resolve_model_dist
-from sq.dist import ParallelDims, all_reduce_min_int, uses_nccl
+from sq.dist import ParallelDims, all_reduce_min_int, rank_device
 from sq.errors import SqError
 from sq.files import sha256_bytes
 from sq.load.loader import plan_load
@@ -103,7 +103,7 @@ class PTQConfig:
         """Argument refusals (identical on every rank)."""
         out = []
         if self.verify_source not in ("stat", "content"):
-            problems.append(f"--verify-source must be stat or content, got {self.verify_source!r}")
+            out.append(f"--verify-source must be stat or content, got {self.verify_source!r}")
         if self.resume not in ("auto", "never", "require"):
             out.append(f"--resume must be auto, never or require, got {self.resume!r}")
         if not isinstance(self.algo, AlgoConfig):
@@ -189,10 +189,6 @@ class PTQConfig:
         return d
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else torch.device("cpu")
-
-
 def auto_ep(model, world: int, algo) -> int:
     """``--ep auto``: the world size for an MoE whose experts split evenly over it, so each rank holds
     and computes only its experts and the tokens move to them (at ``--ep 1`` every rank gathers a
@@ -222,7 +218,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     """
     t_start = time.perf_counter()
     world = dist.get_world_size()
-    device = _device()
+    device = rank_device()
     agree(argument_facts(cfg), "arguments")  # before any collective the arguments decide
     raise_all(cfg.problems(), "argument checks")
     assigner, problems = None, []

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sq.agree import agree, job_facts
-from sq.dist import all_ok, broadcast_object, rank0_stage, uses_nccl
+from sq.dist import all_ok, broadcast_object, rank0_stage, rank_device
 from sq.errors import SqError
 from sq.export import writer
 from sq.export.compressed import compress_weight, quantization_config
@@ -117,10 +117,6 @@ def raise_all(problems: list[str], what: str) -> None:
     all_ok(not problems, what)
     if problems:
         raise SqError(problems)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else torch.device("cpu")
 
 
 def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets, calibrated: bool) -> list[str]:
@@ -370,7 +366,7 @@ class _Pipeline:
         self.cfg, self.model, self.weights, self.assigner, self.data = cfg, model, weights, assigner, data
         self.windows, self.parallelize, self.t_start = windows, parallelize, t_start
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = _device()
+        self.device = rank_device()
         self.out = Path(cfg.output)
         self.fault = Fault.parse(cfg.fault)
         self.state = RunState(self.out, self.rank, enabled=cfg.bookkeeping)

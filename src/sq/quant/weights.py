@@ -48,8 +48,8 @@ class CheckpointWeights:
 
     @property
     def config(self) -> dict:
-        """The source's config.json as read."""
-        return self.plan.source.config
+        """The source's config.json as read (a copy: callers may edit it)."""
+        return dict(self.plan.source.config)
 
     def block_names(self, b: int) -> list[str]:
         return self.plan.block_names[b]
@@ -95,10 +95,6 @@ class CheckpointWeights:
     @property
     def expert_pieces(self) -> dict:
         return self.plan.keymap.pieces
-
-    @property
-    def config(self) -> dict:
-        return dict(self.plan.source.config)
 
     @property
     def carried(self) -> list[str]:
