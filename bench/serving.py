@@ -98,18 +98,16 @@ def sq_output(model: Path, algo: str, preset: str, args) -> tuple[Path, str]:
     out = WORK / f"sq-{algo}-{preset}"
     if (out / "config.json").is_file():
         return out, "kept"
-    cmd = ["-m", "sq.ptq", "--model", str(model), "--output", str(out), "--scheme", preset, "--algo", algo,
-           "--group-size", str(GROUP), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen)]
+    args_ = ["--model", str(model), "--output", str(out), "--scheme", preset, "--algo", algo,
+             "--group-size", str(GROUP), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen)]
     if algo == "signround":
-        cmd += ["--iters", "10", "--batch-size", "8"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"] if algo == "gptq" else [sys.executable]
-    if algo == "gptq":
-        cmd = cmd[1:]  # torch.distributed.run takes "-m" itself
-        launcher += ["-m"]
-    else:
-        env.pop("OMP_NUM_THREADS")
-    code = _log(launcher + cmd, WORK / "logs" / f"sq-{algo}-{preset}.log", env)
+        args_ += ["--iters", "10", "--batch-size", "8"]
+    env = dict(os.environ)
+    launcher = [sys.executable, "-m", "sq.ptq"]
+    if algo == "gptq":  # the distributed path: 2 ranks, one thread each
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "sq.ptq"]
+        env["OMP_NUM_THREADS"] = "1"
+    code = _log(launcher + args_, WORK / "logs" / f"sq-{algo}-{preset}.log", env)
     return out, "ok" if code == 0 else f"sq exited {code}"
 
 
@@ -127,8 +125,6 @@ def llmc_output(model: Path, algo: str, preset: str, windows_file: Path) -> tupl
 
 
 def cmd_run(args) -> int:
-    import torch  # noqa: F401 -- sq's venv
-
     from sq.calib.data import BUILTIN_PYDOC, calibration_windows, eval_windows, load_tokenizer, read_corpus, tokenize_corpus
     from sq.demo import resolve_model
     from sq.engines.compare import PROMPT, Case, compare_all

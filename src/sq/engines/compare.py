@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from sq.engines.reference import greedy, load, token_logprobs
+from sq.engines.reference import greedy, load, perplexity_from_logprobs, token_logprobs
 from sq.engines.vllm_client import EngineRun, Job, run_vllm_jobs
 from sq.errors import SqError
 
@@ -74,12 +74,10 @@ class Comparison:
     dtype: str
     quantized: bool
     max_gap: float = MAX_GAP
-    notes: list[str] = field(default_factory=list)
 
     @property
     def transformers_ppl(self) -> float:
-        values = [v for window in self.transformers_logprobs for v in window]
-        return math.exp(-math.fsum(values) / len(values))
+        return perplexity_from_logprobs(self.transformers_logprobs, f"{self.model} in transformers")
 
     @property
     def vllm_ppl(self) -> float:

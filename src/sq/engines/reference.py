@@ -77,6 +77,14 @@ def perplexity(
     return math.exp(nll / count)
 
 
+def perplexity_from_logprobs(per_window: list[list[float]], what: str) -> float:
+    """exp(-mean) of per-token log-probabilities (``token_logprobs``' rows, or vLLM's); ``what`` names the source."""
+    values = [v for window in per_window for v in window]
+    if not values:
+        raise SqError(f"no tokens were scored for {what}")
+    return math.exp(-math.fsum(values) / len(values))
+
+
 @torch.no_grad()
 def token_logprobs(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
     """``[n, seqlen - 1]`` fp32 log-probabilities of every window's tokens 1.. given the tokens before."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import re
 import signal
@@ -24,6 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sq.engines.reference import perplexity_from_logprobs
 from sq.errors import SqError
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -69,14 +69,7 @@ class EngineRun:
 
     @property
     def perplexity(self) -> float:
-        values = [v for window in self.token_logprobs for v in window]
-        if not values:
-            raise SqError(f"vLLM scored no tokens of {self.model}")
-        return math.exp(-math.fsum(values) / len(values))
-
-    @property
-    def greedy_tokens(self) -> list[int]:
-        return [step["token"] for step in self.greedy]
+        return perplexity_from_logprobs(self.token_logprobs, f"{self.model} in vLLM")
 
     @property
     def problems(self) -> list[str]:

@@ -92,8 +92,7 @@ def run(request: dict) -> dict:
         seed=0,
     )
     loaded = time.perf_counter()
-    result: dict = {"load_seconds": round(loaded - started, 2)}
-    result.update(llm.apply_model(_methods)[0])
+    result: dict = llm.apply_model(_methods)[0]
 
     windows = request.get("windows") or []
     if windows:
@@ -168,31 +167,26 @@ def main(argv: list[str]) -> int:
     root.setLevel(logging.WARNING)
     root.addHandler(collect)
     root.addHandler(echo)
-    import warnings
-
     try:
         import vllm  # noqa: F401 -- before any job: an interpreter without vLLM is one error, not one per job
     except Exception as e:  # noqa: BLE001 -- reported to the driver
         _write(result_path, {"error": _error(e), "versions": _versions()})
         return 1
     results = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for job in request["jobs"]:
-            first = len(collect.records)
-            try:
-                result = run(job)
-            except Exception as e:  # noqa: BLE001 -- reported to the driver, which raises SqError
-                result = {"error": _error(e)}
-            try:
-                _release()
-            except Exception as e:  # noqa: BLE001 -- the next job would start on a half-torn engine
-                result.setdefault("error", _error(e))
-                results.append(result | {"log": collect.records[first:]})
-                break
+    for job in request["jobs"]:
+        first = len(collect.records)
+        try:
+            result = run(job)
+        except Exception as e:  # noqa: BLE001 -- reported to the driver, which raises SqError
+            result = {"error": _error(e)}
+        try:
+            _release()
+        except Exception as e:  # noqa: BLE001 -- the next job would start on a half-torn engine
+            result.setdefault("error", _error(e))
             results.append(result | {"log": collect.records[first:]})
-    out = {"results": results, "python_warnings": sorted({f"{w.category.__name__}: {w.message}" for w in caught}),
-           "versions": _versions(), "pid": os.getpid()}
+            break
+        results.append(result | {"log": collect.records[first:]})
+    out = {"results": results, "versions": _versions(), "pid": os.getpid()}
     _write(result_path, out)
     return 1 if any("error" in r for r in results) or len(results) < len(request["jobs"]) else 0
 
