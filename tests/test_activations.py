@@ -251,8 +251,8 @@ def test_transformers_decompresses_nvfp4_experts_to_sqs_values(runs):
     equals sq's dequantization); transformers' fused MoE loader gets them wrong -- a fix shows up here."""
     from transformers import AutoModelForCausalLM
 
-    from sq.export.compressed import decompress_weight
-    from sq.quant.schemes import get_scheme
+    from sq.formats.compressed import decompress_weight
+    from sq.formats.schemes import get_scheme
 
     out = runs / "moe-nvfp4-w2"
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)

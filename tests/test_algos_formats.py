@@ -23,7 +23,7 @@ from quant_ref import checkpoint_bit_diff, exact_bits, quantize_jobs, read_tenso
 from sq.quant import rtn
 from sq.quant.algorithms.base import rtn_rows
 from sq.quant.gptq import GPTQ
-from sq.quant.schemes import get_scheme
+from sq.formats.schemes import get_scheme
 from sq.quant.signround import tuned_global_scale, tuned_qdq, tuned_quantize
 
 CALIB = dict(nsamples=4, seqlen=32, timeout_s=120)
@@ -69,7 +69,7 @@ def test_gptq_fp4_beats_rtn_and_stacks_exactly(name):
     """On correlated inputs GPTQ's output error is well under RTN's; the stored tensors reconstruct the
     weight it optimized; rows solved stacked (experts sharing a Hessian, each under its own global
     scale) are bit-identical to each solved alone."""
-    from sq.export.compressed import compress_weight, decompress_weight
+    from sq.formats.compressed import compress_weight, decompress_weight
 
     x, w = _correlated()
     s = get_scheme(name)

@@ -300,7 +300,7 @@ def test_clip_search_is_the_brute_force_minimum_of_each_groups_output_error():
     Gram matrix), never worse than no clipping, and clips where an outlier costs the group its grid."""
     from sq.quant.algorithms.base import rtn_rows
     from sq.quant.awq import CLIP_GRID, clip_search
-    from sq.quant.schemes import get_scheme
+    from sq.formats.schemes import get_scheme
 
     g = torch.Generator().manual_seed(0)
     scheme = get_scheme("W4A16", group_size=8)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from quant_ref import library_rtn_freeze
 from sq.errors import SqError
-from sq.export.compressed import (
+from sq.formats.compressed import (
     compress_weight,
     compressed_names,
     decompress_weight,
@@ -25,7 +25,7 @@ from sq.export.compressed import (
 )
 from sq.quant import rtn
 from sq.quant.gptq import GPTQ
-from sq.quant.schemes import SCHEME_NAMES, get_scheme
+from sq.formats.schemes import SCHEME_NAMES, get_scheme
 
 GROUP = 32
 

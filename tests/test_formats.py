@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from sq.errors import SqError
-from sq.export.compressed import compress_weight, compressed_names
-from sq.quant import formats
-from sq.quant import primitives as P
+from sq.formats.compressed import compress_weight, compressed_names
+from sq.formats import specs
+from sq.formats import primitives as P
 from sq.quant import rtn
-from sq.quant.schemes import SCHEME_NAMES, QuantScheme, get_scheme
+from sq.formats.schemes import SCHEME_NAMES, QuantScheme, get_scheme
 
 GROUP = 32
 
@@ -45,11 +45,11 @@ SPLITS = [_splits(72, 1), _splits(72, 2), _splits(72, 3), [(0, 0), (0, 25), (25,
 def _quantize_sharded(w: torch.Tensor, scheme, parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What the driver does: the declared reductions over every shard's rows (the all-reduce,
     in-process), then each shard quantized alone, then the rows gathered to one writer."""
-    reductions = formats.required_reductions(scheme)
+    reductions = specs.required_reductions(scheme)
     stats = {
         r.stat: r.combine([r.local(w[a:b], row_offset=a, rows=w.shape[0]) for a, b in parts]) for r in reductions
     }
-    spec = formats.spec_for(scheme)
+    spec = specs.spec_for(scheme)
     qs, qps = [], []
     for a, b in parts:
         qp = rtn.qparams(w[a:b], scheme, stats=stats or None)
@@ -67,10 +67,10 @@ def _quantize_sharded(w: torch.Tensor, scheme, parts) -> tuple[torch.Tensor, tor
 @pytest.mark.parametrize("name", SCHEME_NAMES)
 def test_registered_schemes_are_row_shardable_without_reductions(name):
     s = get_scheme(name, GROUP)
-    formats.check_row_shardable(s)
-    assert formats.required_reductions(s) == []
-    assert formats.row_independent(s)
-    assert formats.format_for(s).name == s.format
+    specs.check_row_shardable(s)
+    assert specs.required_reductions(s) == []
+    assert specs.row_independent(s)
+    assert specs.format_for(s).name == s.format
 
 
 @pytest.mark.parametrize("name", SCHEME_NAMES)
@@ -90,7 +90,7 @@ def test_one_two_three_row_shards_write_identical_tensors(name):
 @pytest.mark.parametrize("name", SCHEME_NAMES)
 def test_declared_tensors_are_what_is_written(name, dtype):
     s = get_scheme(name, GROUP)
-    fmt = formats.format_for(s)
+    fmt = specs.format_for(s)
     for shape in [(72, 128), (40, 96), (9, 32)]:
         w = _weight(*shape, dtype=dtype)
         scale, zp = rtn.compute_qparams(w, s)
@@ -101,18 +101,18 @@ def test_declared_tensors_are_what_is_written(name, dtype):
 
 
 def test_registry_lookups():
-    assert set(formats.format_names()) >= {"pack-quantized", "float-quantized"}
-    assert formats.get_format("pack-quantized").name == "pack-quantized"
+    assert set(specs.format_names()) >= {"pack-quantized", "float-quantized"}
+    assert specs.get_format("pack-quantized").name == "pack-quantized"
     with pytest.raises(SqError, match="unknown format"):
-        formats.get_format("nope-quantized")
+        specs.get_format("nope-quantized")
     with pytest.raises(ValueError, match="already registered"):
-        formats.register_format(formats.PackQuantized)
+        specs.register_format(specs.PackQuantized)
 
 
 # ------------------------------------------------------------------ a per-tensor format
 
 
-class _PerTensorInt8(formats.Format):
+class _PerTensorInt8(specs.Format):
     """A test-only format: int8 with one scale per tensor (a cross-row statistic)."""
 
     name = "test-per-tensor"
@@ -127,10 +127,10 @@ class _PerTensorInt8(formats.Format):
 
     def reductions(self, scheme):
         spec = self.spec(scheme)
-        return tuple(formats.Reduction(stat, spec) for stat in P.cross_row_stats(spec)) if self.declare else ()
+        return tuple(specs.Reduction(stat, spec) for stat in P.cross_row_stats(spec)) if self.declare else ()
 
     def tensors(self, scheme, shape, dtype):
-        return (formats.TensorSpec("weight", torch.int8, tuple(shape)), formats.TensorSpec("weight_scale", dtype, (1,)))
+        return (specs.TensorSpec("weight", torch.int8, tuple(shape)), specs.TensorSpec("weight_scale", dtype, (1,)))
 
     def compress(self, q, qp, scheme):
         return {"weight": q, "weight_scale": qp.scale}
@@ -142,11 +142,11 @@ class _Undeclared(_PerTensorInt8):
 
 @contextlib.contextmanager
 def _registered(fmt):
-    formats.register_format(fmt)
+    specs.register_format(fmt)
     try:
         yield
     finally:
-        formats.unregister_format(fmt.name)
+        specs.unregister_format(fmt.name)
 
 
 def _per_tensor(symmetric=True) -> QuantScheme:
@@ -162,20 +162,20 @@ def test_unregistered_per_tensor_scheme_is_refused():
 def test_per_tensor_format_without_a_declared_reduction_is_refused():
     with _registered(_Undeclared()):
         s = _per_tensor()
-        assert not formats.row_independent(s)
+        assert not specs.row_independent(s)
         with pytest.raises(SqError, match="absmax over all rows of a weight") as e:
-            formats.check_row_shardable(s)
+            specs.check_row_shardable(s)
         assert "INT8_TENSOR" in str(e.value) and "test-per-tensor" in str(e.value)
         with pytest.raises(SqError, match="declares no reduction"):
-            formats.required_reductions(s)
+            specs.required_reductions(s)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_per_tensor_format_with_declared_reductions_shards_exactly(symmetric):
     with _registered(_PerTensorInt8()):
         s = _per_tensor(symmetric)
-        assert formats.row_independent(s)
-        reductions = formats.required_reductions(s)
+        assert specs.row_independent(s)
+        reductions = specs.required_reductions(s)
         assert {(r.stat, r.op) for r in reductions} == (
             {("absmax", "max")} if symmetric else {("min", "min"), ("max", "max")}
         )
@@ -198,7 +198,7 @@ def test_fp4_packing_equals_the_library_on_any_input(dtype):
     (the library's rules for them too)."""
     from compressed_tensors.utils.impl_backend import ImplBackend
 
-    from sq.quant.formats import pack_fp4_cpu
+    from sq.formats.specs import pack_fp4_cpu
 
     vals = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6,
                          2.5, 5, 7, 12, 63.5, -64, 100, 1000, -1000])

@@ -20,7 +20,7 @@ from sq.parallel.collectives import dim0_counts
 from sq.quant.algorithms.base import BlockWork
 from sq.quant.algorithms.gptq import GPTQAlgorithm, _owners, _solve_cost
 from sq.quant.gptq import GPTQ, GPTQConfig
-from sq.quant.schemes import get_scheme
+from sq.formats.schemes import get_scheme
 
 COLS = 64
 

@@ -30,10 +30,11 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
 from sq.errors import SqError
-from sq.export.compressed import compress_weight, compressed_names, decompress_weight, quantization_config
-from sq.quant import formats, rtn
+from sq.formats.compressed import compress_weight, compressed_names, decompress_weight, quantization_config
+from sq.formats import specs
+from sq.quant import rtn
 from sq.quant.recipe import make_assigner, scheme_tag
-from sq.quant.schemes import (
+from sq.formats.schemes import (
     PRESET_NAMES,
     SCHEME_NAMES,
     SERVING_SCHEME_NAMES,
@@ -145,7 +146,7 @@ def _observe(s: QuantScheme, x: torch.Tensor | None, dtype, batches: int = 3) ->
     """The calibrated activation tensors from ``x`` seen in ``batches`` pieces (forwards or ranks):
     each piece's ``local``, the running / all-reduced max, ``finalize``."""
     out = {}
-    for o in formats.activation_observers(s):
+    for o in specs.activation_observers(s):
         absmax = torch.stack([o.local(c) for c in x.chunk(batches)] + [o.local(x[:0])]).amax(0)
         out[o.name] = o.finalize(absmax, dtype)
     return out
@@ -177,9 +178,9 @@ def test_preset_args_and_format_are_the_library_s(name):
     assert ours.model_dump(exclude={"format"}) == lib.model_dump(exclude={"format"})
     assert ours.format == s.format == infer_module_format(torch.nn.Linear, lib).value
     # the declarations: cross-row statistics, calibrated activations, the tensors' names
-    assert {r.stat for r in formats.required_reductions(s)} == CROSS_ROW.get(name, set())
-    assert formats.row_independent(s)
-    observed = [o.name for o in formats.activation_observers(s)]
+    assert {r.stat for r in specs.required_reductions(s)} == CROSS_ROW.get(name, set())
+    assert specs.row_independent(s)
+    observed = [o.name for o in specs.activation_observers(s)]
     assert observed == {"FP8": ["input_scale"], "NVFP4": ["input_global_scale"]}.get(name, [])
     assert (lib.input_activations is not None and lib.input_activations.dynamic is not True) == bool(observed)
 
@@ -246,7 +247,7 @@ def test_one_linear_equals_library(name, dtype, tmp_path):
         ours = {f"m.{k}": v for k, v in _sq(w, s, x).items()}
         _assert_same(ours, ref, (name, shape))
         assert tuple(k.split(".", 1)[1] for k in ours) == compressed_names(s)
-        declared = {t.name: (t.dtype, t.shape) for t in formats.format_for(s).tensors(s, shape, dtype)}
+        declared = {t.name: (t.dtype, t.shape) for t in specs.format_for(s).tensors(s, shape, dtype)}
         assert {k.split(".", 1)[1]: (v.dtype, tuple(v.shape)) for k, v in ours.items()} == declared
         # the config: the library's own update_config (sq lists the ignore list explicitly)
         assert quantization_config({s: ["Linear"]}, ignore=[]) == config
@@ -358,7 +359,7 @@ def test_an_expert_without_tokens_gets_finite_library_scales(dtype):
     fp8 scale the dtype's eps, the global scale 1 -- finite and valid, but uncalibrated."""
     zero = torch.zeros(1, 8, dtype=dtype)
     for name, key in [("FP8", "input_scale"), ("NVFP4", "input_global_scale")]:
-        (o,) = formats.activation_observers(get_scheme(name))
+        (o,) = specs.activation_observers(get_scheme(name))
         got = o.finalize(o.local(torch.zeros(0, 8, dtype=dtype)), dtype)
         act = preset_name_to_scheme(name, ["Linear"]).input_activations
         ref = generate_gparam(zero.amin(), zero.amax()) if key == "input_global_scale" else \

@@ -27,9 +27,9 @@ from compressed_tensors.quantization import QuantizationConfig, apply_quantizati
 from harness import run_cli, run_ranks
 from quant_ref import exact_bits, quantize_jobs, read_tensors
 from test_presets import _library_calibrate
-from sq.export.compressed import decompress_weight
+from sq.formats.compressed import decompress_weight
 from sq.quant.recipe import make_assigner
-from sq.quant.schemes import get_scheme, to_compressed_tensors
+from sq.formats.schemes import get_scheme, to_compressed_tensors
 
 # weight-side schemes with scales across rows, from a recipe (FP8 itself has static activations,
 # observed elsewhere): per-tensor fp8 weights with dynamic activations, and 32 x 32 blocks, whose

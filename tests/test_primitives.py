@@ -17,7 +17,7 @@ from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 from compressed_tensors.quantization.utils.mxfp_utils import round_to_power_2
 
 from sq.errors import SqError
-from sq.quant import primitives as P
+from sq.formats import primitives as P
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -269,8 +269,8 @@ def test_missing_stats_and_bad_specs_refused():
 def test_block_absmax_of_any_row_shard_is_the_tiles_absmax(rows, cols):
     """FP8_BLOCK's block absmax (reduced down each block row, then across each tile's columns) of any
     row range equals the brute-force max of |x| over each tile's rows in that range."""
-    from sq.quant.formats import spec_for
-    from sq.quant.schemes import get_scheme
+    from sq.formats.specs import spec_for
+    from sq.formats.schemes import get_scheme
 
     spec = spec_for(get_scheme("FP8_BLOCK"))
     br, bc = spec.granularity.rows, spec.granularity.cols

@@ -87,7 +87,7 @@ def test_rtn_two_ranks_loads_and_matches_fake_quant_reference(rtn_outputs):
     from transformers import AutoModelForCausalLM
 
     from sq.quant import rtn
-    from sq.quant.schemes import get_scheme
+    from sq.formats.schemes import get_scheme
 
     src, outs = rtn_outputs
     out = outs[2]

@@ -18,7 +18,7 @@ import torch
 
 from harness import run_ranks
 from quant_ref import fake_quantized_reference, load_any, read_tensors
-from sq.quant.schemes import get_scheme
+from sq.formats.schemes import get_scheme
 
 ARCHS = ["llama", "qwen3_moe", "qwen3_moe_fused", "mixtral", "deepseek_v3", "vlm"]
 GS = 16

@@ -22,7 +22,7 @@ import torch
 
 from harness import run_ranks
 from quant_ref import fake_quantized_reference, library_rtn_freeze, load_any, read_tensors
-from sq.quant.schemes import get_scheme
+from sq.formats.schemes import get_scheme
 from test_ptq_moe import _quantize_all, _same_bits
 
 GS = 16
@@ -145,7 +145,7 @@ def test_gptq_two_world2_runs_bit_identical(outputs):
 def test_gptq_world1_vs_world2(outputs):
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    from sq.export.compressed import decompress_weight
+    from sq.formats.compressed import decompress_weight
 
     s = get_scheme("W4A16", GS)
     a, b = read_tensors(outputs / "gptq-w2-a"), read_tensors(outputs / "gptq-w1")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from sq.errors import SqError
-from sq.export.compressed import compress_weight, decompress_weight
+from sq.formats.compressed import compress_weight, decompress_weight
 from sq.quant import rtn
 from sq.quant.gptq import GPTQ, GPTQConfig
-from sq.quant.schemes import SCHEME_NAMES, get_scheme
+from sq.formats.schemes import SCHEME_NAMES, get_scheme
 
 ROWS, COLS, TOKENS = 96, 256, 2048
 

@@ -16,7 +16,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 
 from sq.errors import SqError
 from sq.quant import rtn
-from sq.quant.schemes import SCHEME_NAMES, get_scheme
+from sq.formats.schemes import SCHEME_NAMES, get_scheme
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

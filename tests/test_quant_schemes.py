@@ -8,7 +8,7 @@ from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import preset_name_to_scheme
 
 from sq.errors import SqError
-from sq.quant.schemes import (
+from sq.formats.schemes import (
     SCHEME_NAMES,
     QuantScheme,
     check_group_size,

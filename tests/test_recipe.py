@@ -12,7 +12,7 @@ from quant_ref import load_any
 from sq.errors import SqError
 from sq.quant import rtn
 from sq.quant.recipe import make_assigner, scheme_tag
-from sq.quant.schemes import get_scheme
+from sq.formats.schemes import get_scheme
 
 GS = 16
 RECIPE = """\

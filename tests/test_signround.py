@@ -22,7 +22,7 @@ import torch
 from harness import run_ranks
 from quant_ref import load_any, quantize_jobs, read_tensors
 from sq.quant import rtn
-from sq.quant.schemes import get_scheme
+from sq.formats.schemes import get_scheme
 from sq.quant.signround import tuned_qdq, tuned_quantize
 
 GS = 16
@@ -61,7 +61,7 @@ def test_exported_weights_are_the_tuned_forward_and_gradients_flow(name):
 
 def _decompressed_reference(src: Path, out: Path):
     """The source model with every quantized weight replaced by what the output's files decompress to."""
-    from sq.export.compressed import decompress_weight
+    from sq.formats.compressed import decompress_weight
     from sq.quant.recipe import scheme_tag
 
     model = load_any(src, dtype=torch.float32)

@@ -57,7 +57,7 @@ from sq.agree import agree, argument_facts, content_hashes, job_facts
 from sq.dist import rank0_stage, uses_nccl
 from sq.errors import SqError
 from sq.export import writer
-from sq.export.compressed import compress_weight, quantization_config
+from sq.formats.compressed import compress_weight, quantization_config
 from sq.files import CARRIED_NAME, REPORT_NAME, safetensors_bytes, shard_name
 from sq.load import fp8, mxfp4
 from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
@@ -66,11 +66,11 @@ from sq.load.source import open_checked, scan_checkpoint
 from sq.memory import trim_heap
 from sq.quant import rtn
 from sq.quant.algorithms import rtn_codes
-from sq.quant.formats import required_reductions, spec_for
+from sq.formats.specs import required_reductions, spec_for
 from sq.quant.pipeline import claim_output, raise_all, versions
-from sq.quant.primitives import PerBlock
+from sq.formats.primitives import PerBlock
 from sq.quant.recipe import make_assigner, scheme_tag
-from sq.quant.schemes import check_group_size
+from sq.formats.schemes import check_group_size
 from sq.report import block_progress
 from sq.resume import Fault, RunState, maybe_die, signature_sha, source_identity
 

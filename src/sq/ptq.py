@@ -6,7 +6,7 @@ import argparse
 import os
 
 from sq.cli import ArgParser, positive_seconds, run_cli
-from sq.quant.schemes import PRESET_NAMES
+from sq.formats.schemes import PRESET_NAMES
 
 DESCRIPTION = """\
 Quantize a Hugging Face safetensors checkpoint into a compressed-tensors checkpoint

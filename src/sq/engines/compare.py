@@ -205,8 +205,8 @@ def dequantized_copy(src: str | Path, dst: str | Path, scheme_name: str, group_s
     import torch
     from safetensors.torch import load_file, save_file
 
-    from sq.export.compressed import decompress_weight
-    from sq.quant.schemes import get_scheme
+    from sq.formats.compressed import decompress_weight
+    from sq.formats.schemes import get_scheme
 
     src, dst = Path(src), Path(dst)
     scheme = get_scheme(scheme_name, group_size)

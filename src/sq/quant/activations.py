@@ -3,7 +3,7 @@
 Two kinds of checkpoint tensor come from calibration data rather than from weights:
 
 - per quantized Linear, the static activation tensors its scheme declares
-  (``sq.quant.formats.activation_observers``): FP8's ``input_scale``, NVFP4's
+  (``sq.formats.specs.activation_observers``): FP8's ``input_scale``, NVFP4's
   ``input_global_scale``; routed experts each have their own (gate and up read the same input
   and share it; down reads the expert's intermediate activations);
 - per attention layer, with ``--kv-cache fp8``: ``k_scale`` and ``v_scale``, the fp8 scales
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sq.quant.experts import ExpertCalibration
-from sq.quant.formats import ActivationObserver, activation_observers
+from sq.formats.specs import ActivationObserver, activation_observers
 
 __all__ = ["KV_CACHE_SCHEMES", "KV_SCALES", "ActivationObservation", "kv_cache_args", "kv_cache_problems",
            "attention_modules", "observes_activations"]

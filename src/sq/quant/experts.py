@@ -27,7 +27,7 @@ from sq.anatomy import EXPERT_PARAMS, expert_leaves
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
 from sq.parallel.collectives import all_gather_rows
-from sq.quant.formats import ActivationObserver
+from sq.formats.specs import ActivationObserver
 from sq.quant.gptq import GPTQ
 
 

@@ -18,7 +18,7 @@ float64 -- so a sum over ranks (which split by samples) does not depend on the r
 float64 rounding; its damped inverse factor is
 computed in float32 when a residual check passes, else in float64 (``_inverse_cholesky``), and the
 column sweep runs in float32.  Scales are computed by the scheme's own format maths
-(:func:`sq.quant.primitives.choose_qparams` with the ``QuantSpec`` of ``formats.spec_for``) on the
+(:func:`sq.formats.primitives.choose_qparams` with the ``QuantSpec`` of ``formats.spec_for``) on the
 weights rounded to their storage dtype, so a GPTQ scale is exactly the one compressed-tensors
 would compute for those (error-updated) weights; the error that is propagated is the
 difference to the value a loader will reconstruct, ``(q - zp) * scale`` in that dtype.
@@ -63,10 +63,11 @@ import torch
 from torch import Tensor
 
 from sq.errors import SqError
-from sq.quant import primitives, rtn
-from sq.quant.formats import spec_for
+from sq.formats import primitives
+from sq.quant import rtn
+from sq.formats.specs import spec_for
 from sq.quant.settings import AlgoConfig, option
-from sq.quant.schemes import QuantScheme, check_group_size
+from sq.formats.schemes import QuantScheme, check_group_size
 
 __all__ = ["GPTQ", "GPTQConfig", "GPTQResult"]
 

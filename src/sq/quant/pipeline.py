@@ -41,7 +41,7 @@ from sq.agree import agree, job_facts
 from sq.dist import all_ok, broadcast_object, rank0_stage, rank_device
 from sq.errors import SqError
 from sq.export import writer
-from sq.export.compressed import compress_weight, quantization_config
+from sq.formats.compressed import compress_weight, quantization_config
 from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, sha256_bytes, shard_name, written_by_sq
 from sq.load.fill import local_box
 from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups, quantized_layout_problems,
@@ -49,14 +49,15 @@ from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, partner_
 from sq.memory import HeapTrim, peak_rss_bytes, rss_breakdown
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
-from sq.quant import formats, rtn
+from sq.formats import specs
+from sq.quant import rtn
 from sq.quant.activations import ActivationObservation, kv_cache_args, kv_cache_problems
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
 from sq.quant.experts import (SlotStats, export_slots, full_expert_rows, is_ep_param, local_experts, segment_rows,
                               slot_rows)
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
-from sq.quant.schemes import QuantScheme, check_group_size
+from sq.formats.schemes import QuantScheme, check_group_size
 from sq.report import add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
 from sq.resume import Fault, RunState, describe_diff, maybe_die, signature_diff, signature_sha
 
@@ -159,7 +160,7 @@ def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Ta
 
 def _row_shard_problems(targets: Targets) -> list[str]:
     """The row-independence contract, enforced: every rank quantizes only its rows, so a scheme whose
-    scales read statistics across rows must declare them as reductions (``sq.quant.formats``; the
+    scales read statistics across rows must declare them as reductions (``sq.formats.specs``; the
     ``reduce`` stage all-reduces them before any rank solves; on fused experts per checkpoint tensor:
     gate, up and down of each expert apart)."""
     dense = {l.scheme for ls in targets.linears for l in ls}
@@ -167,7 +168,7 @@ def _row_shard_problems(targets: Targets) -> list[str]:
     problems = []
     for scheme in sorted(dense | experts, key=scheme_tag):
         try:
-            formats.check_row_shardable(scheme)
+            specs.check_row_shardable(scheme)
         except SqError as e:
             problems += e.problems
             continue
@@ -525,7 +526,7 @@ class _Pipeline:
         for lin in work.linears:
             local, off = local_box(lin.module.weight)
             work.row_offset[lin.name] = off[0]
-            reds = formats.required_reductions(lin.scheme)
+            reds = specs.required_reductions(lin.scheme)
             if reds:
                 stats = rtn.local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
                 for r in reds:
@@ -537,7 +538,7 @@ class _Pipeline:
                 for n in group:
                     work.stats[n]["global_absmax"] = shared.clone()
         for eprefix, ex, scheme in work.experts:
-            reds = formats.required_reductions(scheme)
+            reds = specs.required_reductions(scheme)
             if not reds:
                 continue
             # whole-tensor / 2-D block scales (FP8, FP8_BLOCK): one set per checkpoint tensor -- gate,

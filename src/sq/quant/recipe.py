@@ -42,7 +42,7 @@ from typing import Any
 
 from sq.errors import SqError
 from sq.patterns import compile_pattern, pattern_problem
-from sq.quant.schemes import QuantScheme, get_scheme
+from sq.formats.schemes import QuantScheme, get_scheme
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Round-to-nearest for a ``QuantScheme``: the scheme's format gives the maths, a
-``QuantSpec`` (``sq.quant.formats.spec_for``), and ``sq.quant.primitives`` computes it.
+``QuantSpec`` (``sq.formats.specs.spec_for``), and ``sq.formats.primitives`` computes it.
 
 The numbers are compressed-tensors' own, bit for bit, on every device (see
-``sq.quant.primitives``).  Per-channel and per-group scales depend only on the rows being
+``sq.formats.primitives``).  Per-channel and per-group scales depend only on the rows being
 quantized, so quantizing rows ``[a, b)`` alone gives exactly those rows of the whole.  A scheme
 whose scales read statistics across rows (``FP8``'s per-tensor scale, ``FP8_BLOCK``'s 128-row
 blocks, ``NVFP4``'s global scale) takes them, all-reduced, as ``stats``; one rank's part::
@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from sq.errors import SqError
-from sq.quant import primitives
-from sq.quant.formats import required_reductions, spec_for
-from sq.quant.schemes import QuantScheme
+from sq.formats import primitives
+from sq.formats.specs import required_reductions, spec_for
+from sq.formats.schemes import QuantScheme
 
 
 def local_stats(w: Tensor, scheme: QuantScheme, *, row_offset: int = 0, rows: int | None = None) -> dict[str, Tensor]:

@@ -57,10 +57,11 @@ from torch import Tensor
 
 from sq.parallel.collectives import all_gather_rows_autograd
 from sq.quant.settings import AlgoConfig, option
-from sq.quant import primitives, rtn
-from sq.quant.formats import required_reductions, spec_for
+from sq.formats import primitives
+from sq.quant import rtn
+from sq.formats.specs import required_reductions, spec_for
 from sq.quant.forward import block_kwargs
-from sq.quant.schemes import QuantScheme
+from sq.formats.schemes import QuantScheme
 
 logger = logging.getLogger(__name__)
 

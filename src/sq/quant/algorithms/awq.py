@@ -41,7 +41,8 @@ from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, partner_g
 from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.parallel.fsdp import unsharded
-from sq.quant import formats, rtn
+from sq.formats import specs
+from sq.quant import rtn
 from sq.quant.activations import observes_activations
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
 from sq.quant.algorithms.gptq import GPTQAlgorithm
@@ -57,7 +58,7 @@ MAX_CLIP_GROUP = 256
 
 
 def _global_only(scheme) -> bool:
-    return all(r.stat == "global_absmax" for r in formats.required_reductions(scheme))
+    return all(r.stat == "global_absmax" for r in specs.required_reductions(scheme))
 
 
 def _qdq(names: list[str], schemes: list, ws: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -68,7 +69,7 @@ def _qdq(names: list[str], schemes: list, ws: list[torch.Tensor | None]) -> list
     for group in partner_groups([n for n, w in zip(names, ws) if w is not None]):
         ids = [idx[n] for n in group]
         sc = schemes[ids[0]]
-        if not formats.required_reductions(sc):
+        if not specs.required_reductions(sc):
             for i in ids:
                 out[i] = rtn_rows(ws[i].reshape(-1, ws[i].shape[-1]), schemes[i]).deq.view(ws[i].shape)
             continue
@@ -87,7 +88,7 @@ def _restat(work: BlockWork) -> None:
     reduce stage computes them before any fold: dense ones all-reduced and shared by partners,
     experts' per local expert (``--ep 1``: a rank holds whole experts)."""
     for lin in work.linears:
-        reds = formats.required_reductions(lin.scheme)
+        reds = specs.required_reductions(lin.scheme)
         if reds:
             local, off = local_box(lin.module.weight)
             stats = rtn.local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
@@ -100,7 +101,7 @@ def _restat(work: BlockWork) -> None:
             for n in group:
                 work.stats[n]["global_absmax"] = shared.clone()
     for eprefix, ex, scheme in work.experts:
-        for pname in EXPERT_PARAMS if formats.required_reductions(scheme) else ():
+        for pname in EXPERT_PARAMS if specs.required_reductions(scheme) else ():
             p = ex._parameters[pname]
             local, _ = local_box(p)
             work.stats[(eprefix, pname)] = [
@@ -330,7 +331,7 @@ class AWQAlgorithm(Algorithm):
         out = {}
         for lin in work.linears:
             sc, rel = lin.scheme, lin.name[len(work.prefix) + 1:]
-            if sc.type != "int" or sc.strategy != "group" or formats.required_reductions(sc):
+            if sc.type != "int" or sc.strategy != "group" or specs.required_reductions(sc):
                 continue
             if ".self_attn." in f".{rel}" and not rel.endswith(("v_proj", "o_proj")):
                 continue

@@ -85,7 +85,7 @@ class BlockWork:
     seed: int
     calibrate_all_experts: bool
     fp_out: list | None = None
-    # cross-row statistics (sq.quant.formats reductions), already all-reduced and shared by fused
+    # cross-row statistics (sq.formats.specs reductions), already all-reduced and shared by fused
     # partners: dense weight name -> stats; (experts prefix, param) -> per local expert, a list of
     # sq.quant.experts.SlotStats (one per checkpoint tensor of the fused rows)
     stats: dict = field(default_factory=dict)

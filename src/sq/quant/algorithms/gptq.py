@@ -13,8 +13,8 @@ from sq.parallel.collectives import dim0_counts, gather_rows, scatter_rows
 from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
 from sq.quant.experts import ExpertCalibration, local_experts
 from sq.quant.forward import block_forward
-from sq.quant import primitives
-from sq.quant.formats import spec_for
+from sq.formats import primitives
+from sq.formats.specs import spec_for
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.quant.recipe import scheme_tag
 

@@ -4,8 +4,8 @@ A :class:`Format` is keyed by compressed-tensors' format name (``config.json``'s
 ``pack-quantized``, ``float-quantized``, ...) and declares, for each ``QuantScheme`` it
 :meth:`~Format.accepts`:
 
-- :meth:`~Format.spec`: the maths, a :class:`~sq.quant.primitives.QuantSpec` (block shape,
-  target type, scale type) that :mod:`sq.quant.primitives` computes with;
+- :meth:`~Format.spec`: the maths, a :class:`~sq.formats.primitives.QuantSpec` (block shape,
+  target type, scale type) that :mod:`sq.formats.primitives` computes with;
 - :meth:`~Format.tensors`: the checkpoint tensors of one Linear (names, dtypes, shapes);
 - :meth:`~Format.compress` / :meth:`~Format.decompress`: packing and unpacking, always with the
   compressed-tensors library's own helpers, never by hand, so the bits match the library's;
@@ -23,7 +23,7 @@ The row-independence contract.  sq quantizes a weight on the ranks that hold its
 rank its own rows, before any gather.  That is exact only if every scale depends on the rows
 being quantized alone, or on statistics that were reduced over every rank's rows first.  The
 primitives know which statistics a spec's scales read across rows
-(:func:`~sq.quant.primitives.cross_row_stats`); a format declares which it reduces; and
+(:func:`~sq.formats.primitives.cross_row_stats`); a format declares which it reduces; and
 :func:`check_row_shardable` -- which the driver calls before quantizing with a scheme -- refuses
 a scheme whose format leaves one undeclared.  :func:`required_reductions` is then the list the
 driver all-reduces: none for per-channel / per-group schemes; the per-tensor absmax (``FP8``),
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sq.errors import SqError
-from sq.quant import primitives as P
+from sq.formats import primitives as P
 
 __all__ = [
     "Format",
@@ -69,7 +69,7 @@ __all__ = [
 
 
 class SchemeFields(Protocol):
-    """What a format reads of a ``sq.quant.schemes.QuantScheme``."""
+    """What a format reads of a ``sq.formats.schemes.QuantScheme``."""
 
     name: str
     num_bits: int

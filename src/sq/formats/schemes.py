@@ -44,8 +44,8 @@ W4AFP8         int4 group-wise (128); fp8 per token, dynamic          int-quanti
 ``--group-size`` sets the group of the int group-wise presets (W4A16 ... W8A16, W4A8, W4AFP8);
 the others have their format's fixed blocks (NVFP4: 16, MX: 32, FP8_BLOCK: 128 x 128) and
 ignore it.  Which of them need statistics reduced across ranks, or calibrated activation
-scales, is their format's declaration (``formats.required_reductions`` /
-``formats.activation_observers``).
+scales, is their format's declaration (``specs.required_reductions`` /
+``specs.activation_observers``).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ import torch
 
 from sq.dictconfig import DictConfig
 from sq.errors import SqError
-from sq.quant import formats
-from sq.quant.primitives import scale_shape
+from sq.formats import specs
+from sq.formats.primitives import scale_shape
 
 __all__ = [
     "QuantScheme",
@@ -73,11 +73,11 @@ __all__ = [
 _TYPES = ("int", "float")
 _STRATEGIES = ("group", "channel", "tensor", "block", "tensor_group")
 _GROUPED = ("group", "tensor_group")
-_SCALE_DTYPES = tuple(k for k in formats.SCALE_DTYPES if k is not None)
+_SCALE_DTYPES = tuple(k for k in specs.SCALE_DTYPES if k is not None)
 # fields added after the first release: left out of ``to_dict`` while None, so the resume
 # signature of every scheme that does not use them stays what it was
 _OPTIONAL = ("block_structure", "scale_dtype")
-_ACTIVATIONS = tuple(formats.ACTIVATIONS)
+_ACTIVATIONS = tuple(specs.ACTIVATIONS)
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ class QuantScheme(DictConfig):
     """How one Linear weight ``[out, in]`` is quantized.
 
     The fields say what the user asked for; which schemes sq can write, with which maths and
-    tensors, is decided by the format registry (``sq.quant.formats``): a scheme no registered
+    tensors, is decided by the format registry (``sq.formats.specs``): a scheme no registered
     format accepts is refused here.  Whether ranks can quantize their own rows with it is the
-    format's declaration too (``formats.check_row_shardable``).
+    format's declaration too (``specs.check_row_shardable``).
     """
 
     name: str
@@ -96,7 +96,7 @@ class QuantScheme(DictConfig):
     symmetric: bool = True
     strategy: str = "group"  # "group" | "channel" | "tensor"
     group_size: int | None = 128  # None unless "group" / "tensor_group"
-    activations: str = "none"  # a key of formats.ACTIVATIONS
+    activations: str = "none"  # a key of specs.ACTIVATIONS
     block_structure: tuple[int, int] | None = None  # (rows, cols), "block" only
     scale_dtype: str | None = None  # None (the weight's dtype) | "float8_e4m3fn" | "e8m0"
 
@@ -131,7 +131,7 @@ class QuantScheme(DictConfig):
             raise ValueError(
                 f"scheme {self.name}: strategy {self.strategy!r} takes group_size=None, got {self.group_size!r}"
             )
-        formats.format_for(self)  # ValueError naming each format's reason when none writes it
+        specs.format_for(self)  # ValueError naming each format's reason when none writes it
 
     def _check_block_and_scale(self) -> None:
         b = self.block_structure
@@ -152,16 +152,16 @@ class QuantScheme(DictConfig):
     @property
     def qmin(self) -> float:
         """Smallest quantized value (as compressed-tensors' ``calculate_range``)."""
-        return formats.spec_for(self).qtype.qmin
+        return specs.spec_for(self).qtype.qmin
 
     @property
     def qmax(self) -> float:
-        return formats.spec_for(self).qtype.qmax
+        return specs.spec_for(self).qtype.qmax
 
     @property
     def storage_dtype(self) -> torch.dtype:
         """dtype of the quantized values before packing (int8 for any int width)."""
-        return formats.spec_for(self).qtype.storage_dtype
+        return specs.spec_for(self).qtype.storage_dtype
 
     @property
     def format(self) -> str:
@@ -169,7 +169,7 @@ class QuantScheme(DictConfig):
 
     def num_groups(self, in_features: int) -> int:
         """Scale columns for a weight with ``in_features`` columns."""
-        return scale_shape(formats.spec_for(self).granularity, (1, in_features))[-1]
+        return scale_shape(specs.spec_for(self).granularity, (1, in_features))[-1]
 
     # -- serialization -------------------------------------------------------------------
 
@@ -258,9 +258,9 @@ def check_group_size(layer_name: str, in_features: int, scheme: QuantScheme) -> 
 
 def format_name(scheme: QuantScheme) -> str:
     """compressed-tensors format the export writes (the registered format that accepts it)."""
-    return formats.format_for(scheme).name
+    return specs.format_for(scheme).name
 
 
 def to_compressed_tensors(scheme: QuantScheme, targets: list[str]):
     """The library's ``QuantizationScheme`` for ``targets`` (with ``format`` filled in)."""
-    return formats.format_for(scheme).ct_scheme(scheme, targets)
+    return specs.format_for(scheme).ct_scheme(scheme, targets)

@@ -4,7 +4,7 @@
 global scale, and the calibrated activation scales a scheme declares) into exactly the
 tensors compressed-tensors 0.20 writes for one Linear.  What those tensors are, and how they
 are packed (with the library's own helpers, so the bits match), is the scheme's format's
-declaration in ``sq.quant.formats`` (each registration's docstring has its table); this
+declaration in ``sq.formats.specs`` (each registration's docstring has its table); this
 module checks the data against the declaration and dispatches.  Names are relative to the
 module (the writer prefixes ``model.layers.0.mlp.experts.3.gate_proj.``).
 
@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from sq.errors import SqError
-from sq.quant.formats import activation_observers, format_for
-from sq.quant.primitives import QParams, scale_shape
-from sq.quant.schemes import QuantScheme, format_name, to_compressed_tensors
+from sq.formats.specs import activation_observers, format_for
+from sq.formats.primitives import QParams, scale_shape
+from sq.formats.schemes import QuantScheme, format_name, to_compressed_tensors
 
 __all__ = [
     "compress_weight",
