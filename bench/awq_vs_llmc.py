@@ -101,7 +101,7 @@ def main() -> int:
     if args.llmc_worker:
         return llmc_worker(args)
 
-    from sq.demo import resolve_model
+    from sq.resolve import resolve_model
 
     src = Path(resolve_model(args.model))
     tag = "awq-gptq" if args.gptq else "awq"

@@ -3,7 +3,7 @@
     .venv/bin/python bench/peers.py [--steps gptq,signround,load,eval] [--nsamples 32] [--seqlen 512]
         [--iters 10] [--batch-size 8] [--eval-windows 40] [--skip-setup] [--table] [--setup]
 
-Every step runs on ``demo:smollm2`` (``sq.demo.resolve_model``), W4A16 symmetric, group 64, with the
+Every step runs on ``demo:smollm2`` (``sq.resolve.resolve_model``), W4A16 symmetric, group 64, with the
 same calibration tokens on both sides: the first ``nsamples x seqlen`` tokens of sq's
 ``builtin:pydoc`` as consecutive windows. The driver tokenizes them once with sq's own functions
 (``sq.calib.data``: ``load_tokenizer``, ``tokenize_corpus``, ``calibration_windows``, as ``sq.ptq``
@@ -514,7 +514,7 @@ def main() -> int:
     if need:
         ensure_venvs(need, skip=args.skip_setup)
 
-    from sq.demo import resolve_model
+    from sq.resolve import resolve_model
 
     src = Path(resolve_model(MODEL))
     WORK.mkdir(parents=True, exist_ok=True)

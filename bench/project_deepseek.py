@@ -3,7 +3,7 @@
     python bench/project_deepseek.py            # prints the tables of docs/scale-projection.md
 
 Every number this prints is a PROJECTION from counts (parameters, FLOPs, bytes) and the constants
-below, not a measurement.  The counts follow sq's algorithm as implemented (sq.quant.blockwise,
+below, not a measurement.  The counts follow sq's algorithm as implemented (sq.pipeline.job,
 sq.quant.experts, sq.quant.gptq) at the commit of this file; the constants name their sources.
 """
 
@@ -21,7 +21,7 @@ VOCAB = 129280
 # ---- job: the issue's calibration set
 NSAMPLES, SEQLEN = 512, 2048
 TOKENS = NSAMPLES * SEQLEN
-CALIB_BATCH = 8     # samples per forward (sq.quant.blockwise.CALIB_BATCH)
+CALIB_BATCH = 8     # samples per forward (sq.pipeline.job.CALIB_BATCH)
 GROUP = 128         # W4A16 group size
 
 # ---- hardware constants (vendor datasheets; "effective" = an assumed 50 % of peak)

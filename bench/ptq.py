@@ -228,7 +228,7 @@ def main() -> int:
     p.add_argument("--table", action="store_true", help="only print the table of the recorded results")
     a = p.parse_args()
     if not a.table:
-        from sq.demo import resolve_model
+        from sq.resolve import resolve_model
 
         print(f"[bench] model {MODEL} -> {resolve_model(MODEL)}", flush=True)  # build once, outside the timings
         for run in a.runs.split(","):

@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--nsamples", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    from sq.demo import resolve_model
+    from sq.resolve import resolve_model
 
     model = str(resolve_model(a.model))
     times = {True: [], False: []}

@@ -459,8 +459,8 @@ def ptq_worker(argv: list[str]) -> None:
     import sq.load.fill as F
     import sq.load.keymap as K
     import sq.load.loader as L
-    import sq.quant.blockwise as B
-    import sq.quant.weights as QW
+    import sq.pipeline.job as B
+    import sq.pipeline.weights as QW
     from sq import ptq
 
     acc: dict[str, list] = {}

@@ -126,7 +126,7 @@ def llmc_output(model: Path, algo: str, preset: str, windows_file: Path) -> tupl
 
 def cmd_run(args) -> int:
     from sq.calib.data import BUILTIN_PYDOC, calibration_windows, eval_windows, load_tokenizer, read_corpus, tokenize_corpus
-    from sq.demo import resolve_model
+    from sq.resolve import resolve_model
     from sq.engines.compare import PROMPT, Case, compare_all
 
     WORK.mkdir(parents=True, exist_ok=True)

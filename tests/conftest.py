@@ -51,6 +51,6 @@ def smollm2_ckpt() -> Path:
     Uses the user cache (``$SQ_CACHE_DIR`` or ``~/.cache/sq``) so it is converted once per
     machine, not once per session.
     """
-    from sq.demo import resolve_model
+    from sq.resolve import resolve_model
 
     return resolve_model("demo:smollm2")

@@ -37,7 +37,7 @@ class RanksTimedOut(AssertionError):
 
 # What the forkserver imports once; a rank unpickling its function imports the rest.
 # modeling_llama: the Llama fixture most CLI tests build is ~2 s of CPU to import in each rank.
-_PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "safetensors.torch", "sq.quant.blockwise",
+_PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "safetensors.torch", "sq.pipeline.job",
             "sq.load.meta", "sq.quant.signround", "sq.ptq", "transformers.models.llama.modeling_llama"]
 
 

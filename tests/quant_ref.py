@@ -74,7 +74,8 @@ def quantize_jobs(rank, world, jobs) -> list[str | None]:
     """``run_ranks`` target: ``quantize_model(PTQConfig.build(**job))`` for each job in turn; per job
     ``None`` or the ``SqError`` it raised (identical on every rank)."""
     from sq.errors import SqError
-    from sq.quant.blockwise import PTQConfig, quantize_model
+    from sq.config import PTQConfig
+    from sq.pipeline.job import quantize_model
 
     out = []
     for job in jobs:

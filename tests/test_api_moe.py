@@ -174,7 +174,8 @@ def _rtn_api_and_ptq(rank, world, ckpt, root):
     import torch.distributed as dist
 
     import sq
-    from sq.quant.blockwise import PTQConfig, quantize_model
+    from sq.config import PTQConfig
+    from sq.pipeline.job import quantize_model
 
     from transformers import AutoModelForCausalLM, DistributedConfig
 

@@ -78,7 +78,7 @@ def test_calib_dtype_is_in_the_resume_signature(bf16, tmp_path):
     base = dict(model=str(bf16["llama"]), output=str(tmp_path / "o"), scheme="W4A16", algo="gptq", **JOB)
     res = run_ranks(quantize_jobs, 1, [dict(calib_dtype="float32", **base), dict(calib_dtype="auto", **base),
                                        dict(calib_dtype="model", **base)], timeout=300)[0]
-    from sq.quant.blockwise import cpu_has_bf16_matrix_units
+    from sq.config import cpu_has_bf16_matrix_units
 
     # auto is float32 on a CPU without bf16 matrix units (the job float32 finished, already
     # complete), the model's dtype on one with them (AMX: refused like "model")

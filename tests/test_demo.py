@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sq import demo
-from sq.demo import default_cache_dir, resolve_model
+from sq.demo import default_cache_dir
+from sq.resolve import resolve_model
 from sq.errors import SqError
 
 
@@ -77,7 +78,7 @@ _RACER = """
 import logging, pathlib, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
 import sq.testing.checkpoints, transformers.models.qwen3_moe  # warm imports so both racers meet at the lock
-from sq.demo import resolve_model
+from sq.resolve import resolve_model
 ready, go, cache = map(pathlib.Path, sys.argv[1:4])
 ready.touch()
 while not go.exists():

@@ -150,7 +150,8 @@ def _load(rank, world, path, ref, jobs):
             src_bytes += local.numel() * src_dtype.itemsize
         out["ep"][ep] = dict(mismatched=mismatched, dtypes=sorted(dtypes), src_bytes=src_bytes,
                              bytes_read=plan.reader().bytes_read)
-    from sq.quant.blockwise import PTQConfig, quantize_model
+    from sq.config import PTQConfig
+    from sq.pipeline.job import quantize_model
 
     for job in jobs:
         quantize_model(PTQConfig.build(**job))

@@ -283,7 +283,7 @@ def test_load_sharded_missing_folder(world, tmp_path):
 
 def test_timeout_refused_by_ptq_config():
     """The Python side (``PTQConfig.problems``) refuses what the parser refuses."""
-    from sq.quant.blockwise import PTQConfig
+    from sq.config import PTQConfig
 
     for bad in (0, -5, float("nan"), float("inf")):
         assert any(p.startswith("--timeout must be a positive") for p in PTQConfig("m", "o", timeout_s=bad).problems())
@@ -292,7 +292,7 @@ def test_timeout_refused_by_ptq_config():
 
 def test_verify_source_refused_by_ptq_config():
     """An unknown ``verify_source`` from the Python side is one refusal, like the parser's choices."""
-    from sq.quant.blockwise import PTQConfig
+    from sq.config import PTQConfig
 
     assert "--verify-source must be stat or content, got 'sha'" in PTQConfig("m", "o", verify_source="sha").problems()
     assert not any("--verify-source" in p for p in PTQConfig("m", "o", verify_source="content").problems())

@@ -1,4 +1,4 @@
-"""sq.hub and sq.demo.resolve_model_dist: a hub id is downloaded by rank 0 alone (config, tokenizer, safetensors; never pickle),
+"""sq.hub and sq.resolve.resolve_model_dist: a hub id is downloaded by rank 0 alone (config, tokenizer, safetensors; never pickle),
 every rank gets the same folder or the same error."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from sq.demo import resolve_model_dist
+from sq.resolve import resolve_model_dist
 from sq.dist import run_on_rank0
 from sq.errors import SqError
 

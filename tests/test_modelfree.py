@@ -45,7 +45,7 @@ def modelfree_jobs(rank, world, jobs) -> list[str | None]:
     """``run_ranks`` target: ``sq.modelfree.quantize_checkpoint`` for each job; None or the SqError."""
     from sq.errors import SqError
     from sq.modelfree import quantize_checkpoint
-    from sq.quant.blockwise import PTQConfig
+    from sq.config import PTQConfig
 
     out = []
     for job in jobs:

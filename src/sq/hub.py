@@ -1,6 +1,6 @@
 """Hugging Face hub models: download one safetensors checkpoint (this process), and the hub's offline switch.
 
-    folder = download_model(repo_id)   # rank 0 only: sq.demo.resolve_model_dist shares it
+    folder = download_model(repo_id)   # rank 0 only: sq.resolve.resolve_model_dist shares it
 
 ``huggingface_hub.snapshot_download`` fetches into the Hugging Face cache (``HF_HOME`` /
 ``HF_HUB_CACHE``), in two steps:

@@ -75,7 +75,7 @@ def sharded_perplexity(model, windows: torch.Tensor, rank: int, world: int) -> f
 
 
 def run(args: argparse.Namespace) -> dict:
-    from sq.demo import resolve_model_dist
+    from sq.resolve import resolve_model_dist
     from sq.load.loader import load_sharded
 
     env = init_distributed(timeout_s=args.timeout)

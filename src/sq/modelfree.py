@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load as st_load
 
-from sq.agree import agree, argument_facts, content_hashes, job_facts
-from sq.dist import rank0_stage, uses_nccl
+from sq.agree import agree, argument_facts, content_hashes
+from sq.dist import uses_nccl
 from sq.errors import SqError
 from sq.export import writer
-from sq.formats.compressed import compress_weight, quantization_config
-from sq.files import CARRIED_NAME, REPORT_NAME, safetensors_bytes, shard_name
+from sq.formats.compressed import compress_weight
+from sq.files import CARRIED_NAME, safetensors_bytes, shard_name
 from sq.load import fp8, mxfp4
 from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
 from sq.load.fill import data_start, pread_into
@@ -67,12 +67,12 @@ from sq.memory import trim_heap
 from sq.quant import rtn
 from sq.quant.algorithms import rtn_codes
 from sq.formats.specs import required_reductions, spec_for
-from sq.quant.pipeline import claim_output, raise_all, versions
+from sq.run import Run, raise_all, signature
 from sq.formats.primitives import PerBlock
 from sq.quant.recipe import make_assigner, scheme_tag
 from sq.formats.schemes import check_group_size
 from sq.report import block_progress
-from sq.resume import Fault, RunState, maybe_die, signature_sha, source_identity
+from sq.resume import source_identity
 
 logger = logging.getLogger(__name__)
 
@@ -549,59 +549,6 @@ class _ReadAhead:
         self.thread.join()
 
 
-class _LayerWriter:
-    """This rank's finished layers written and recorded by a background thread, in order, one at a time.
-
-    Why: the next layer is read and quantized while this one goes to disk.  What resume relies on is
-    unchanged, because ``write`` (file written, fsynced, renamed; then the manifest entry) runs for
-    one layer after another exactly as in a loop: a kill -9 anywhere leaves what a sequential run
-    killed at that point leaves.  ``submit`` first waits until the previous layer is recorded (one
-    layer on its way to disk while the next is computed: memory for two).  An exception in the
-    thread stops all later writes and is raised again, as it is, by the next ``submit`` or ``close``."""
-
-    def __init__(self, write: Callable[..., None]):
-        self.write, self.error, self.closed = write, None, False
-        self.q: queue.Queue = queue.Queue(maxsize=1)
-        self.thread = threading.Thread(target=self._run, name="sq-layer-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self.q.get()
-            try:
-                if item is None:
-                    return
-                if self.error is None:
-                    self.write(*item)
-            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                self.error = e
-            finally:
-                self.q.task_done()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def submit(self, *item) -> None:
-        self.q.join()  # the previous layer is on disk and recorded (or failed)
-        self._raise()
-        self.q.put(item)
-
-    def close(self, check: bool = True) -> None:
-        """Wait for the layers submitted so far; ``check``: raise the thread's error, if any."""
-        if not self.closed:
-            self.closed = True
-            self.q.put(None)
-            self.thread.join()
-        if check:
-            self._raise()
-
-
-def _no_space_injected() -> None:
-    """``SQ_FAULT=enospc:RANK:LAYER`` (tests): the disk fills up halfway through that layer's file."""
-    raise OSError(28, "No space left on device (injected)")
-
-
 def _rtn(w: torch.Tensor, scheme, stats, row_offset: int = 0) -> dict:
     """``rtn_rows``'s codes and scales of rows ``w`` (``rtn_codes``: the same calls), without the
     dequantized copy the model path writes back into its model and this path never reads (for
@@ -795,7 +742,7 @@ def wanted(cfg, model_free: bool) -> bool:
     Call on every rank (a hub id is resolved, rank 0 downloading)."""
     if model_free:
         return True
-    from sq.demo import resolve_model_dist
+    from sq.resolve import resolve_model_dist
     from sq.load.source import read_config
 
     try:
@@ -818,7 +765,7 @@ def wanted(cfg, model_free: bool) -> bool:
 
 def _prepare(cfg):
     """Every refusal, identical on every rank, before anything is written: (plan, reader, source, assigner)."""
-    from sq.demo import resolve_model_dist
+    from sq.resolve import resolve_model_dist
 
     problems = list(cfg.problems())
     assigner = None
@@ -861,12 +808,10 @@ def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) 
     """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
     writes what) only when there are any, so signatures without splits stay as they were."""
     hashes = content_hashes(source) if cfg.verify_source == "content" else None
-    sig = {"mode": "model-free", "source": source_identity(source, hashes), "args": cfg.signature_args(calibrated=False),
-           "algorithm": cfg.algo.signature(), "schemes": assigner.to_dict(), "assignment": plan.assignment,
-           "world_size": world, "blocks": plan.blocks, "versions": versions()}
-    if split:
-        sig["row_split"] = split
-    return sig
+    return {"mode": "model-free", **signature(
+        source=source_identity(source, hashes), args=cfg.signature_args(calibrated=False),
+        algorithm=cfg.algo.signature(), schemes=assigner.to_dict(), assignment=plan.assignment, world=world,
+        blocks=plan.blocks, **({"row_split": split} if split else {}))}
 
 
 @torch.no_grad()
@@ -884,57 +829,32 @@ def quantize_checkpoint(cfg) -> dict:
 
 def _run(cfg, plan: Plan, reader: _Reader, source, assigner, t_start: float) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = Path(cfg.output)
     split_at = os.environ.get("SQ_MODELFREE_SPLIT_BYTES")  # tests only: force row splits of small Linears
     owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
     sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
-    state = RunState(out, rank, enabled=cfg.bookkeeping)
-    agree(job_facts(sig, output=str(out.absolute()), config=source.config), "job")
-    if claim_output(out, sig, cfg.resume, state, rank) == "complete":
-        logger.info("%s is already complete (same model and settings); nothing to do", out)
+    run = Run(cfg.output, bookkeeping=cfg.bookkeeping, fault=cfg.fault)
+    if not run.claim(sig, cfg.resume, [], config=source.config):
         return {"complete": True}
-    fault = Fault.parse(cfg.fault)
     n = len(plan.blocks)
-    state.load_manifest()
-    points = [None] * world
-    dist.all_gather_object(points, state.restart_points(need_chain=False, n_blocks=n))
-    start = max(set.intersection(*(set(p) for p in points)))
-    fragments = state.truncate(start)
-    if start:
-        logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, n)
-    skipped = [nm for entry in state.manifest["blocks"] for nm in entry.get("skipped_nonfinite", [])]
+    start = run.restart(n, need_chain=False)
     split_set = set(split)
     mine = [u for i, (u, r) in enumerate(zip(plan.units, owner)) if r == rank and i not in split_set]
     problems: list[str] = []
     logger.info("model-free: %s -> %s on %d rank(s): %d units, this rank %d (%.1f MB)%s, from layer %d",
-                source.root, out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6,
+                source.root, run.out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6,
                 f" and its rows of {len(split)} row-split Linear groups "
                 f"({sum(plan.units[i].nbytes for i in split) / world / 1e6:.1f} MB)" if split else "", start)
     todo_split = [i for i in split if plan.units[i].block >= start]  # the same list on every rank
     ready = _split_pass([plan.units[i] for i in todo_split], [owner[i] for i in todo_split], reader,
                         cfg.skip_nonfinite) if todo_split else {}
     progress = block_progress(n, start, bar=rank == 0)
-
-    def write_layer(b: int, tensors: dict, bad: list[str]) -> None:  # in the writer's thread, layer after layer
-        shard = shard_name(rank, b)
-        die = None
-        if fault is not None and fault.hit("mid-shard-write", rank, b):
-            die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
-        elif fault is not None and fault.hit("enospc", rank, b):
-            die = _no_space_injected
-        rec = writer.write_shard(out, shard, tensors, die_midway=die, checksum=cfg.bookkeeping)
-        maybe_die(fault, "after-shard-write", rank, b)
-        if rec:
-            fragments.update({k: shard for k in rec["tensors"]})
-        state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
-        skipped.extend(bad)
-
     todo = sorted((u for u in mine if u.block >= start), key=lambda u: u.block)
-    ahead, layers = _ReadAhead(reader, todo, READ_AHEAD), _LayerWriter(write_layer)
+    ahead = _ReadAhead(reader, todo, READ_AHEAD)
     try:
         i = 0
         for b in range(start, n):
             t_block = time.perf_counter()
+            run.fault_point("stop", b)
             tensors, bad = ready.pop(b, ({}, []))
             while i < len(todo) and todo[i].block == b:
                 t, sk, pr = _quantize_unit(todo[i], ahead.get(), reader, cfg.skip_nonfinite)
@@ -944,30 +864,27 @@ def _run(cfg, plan: Plan, reader: _Reader, source, assigner, t_start: float) -> 
                 i += 1
             if problems:
                 break
-            layers.submit(b, tensors, bad)
+            run.write_block(b, tensors, bad)
             del tensors
             trim_heap()
             progress.step(b, time.perf_counter() - t_block)
-        layers.close()  # every submitted layer recorded; the writer's error, if any, raised here
+        run.files.close()  # every submitted layer recorded; the writer's error, if any, raised here
     finally:
         ahead.close()
-        layers.close(check=False)
+        run.files.close(check=False)
     progress.close()
     every = [None] * world
     dist.all_gather_object(every, problems)  # every rank meets here, done or refused
     problems = [p for ps in every for p in ps]
     if problems:
         raise SqError(problems)
-    return _finish(cfg, plan, reader, source, assigner, sig, state, fault, fragments, skipped, start, t_start)
+    return _finish(cfg, run, plan, reader, source, start, t_start)
 
 
-def _finish(cfg, plan, reader, source, assigner, sig, state, fault, fragments, skipped, start, t_start) -> dict:
+def _finish(cfg, run: Run, plan: Plan, reader: _Reader, source, start: int, t_start: float) -> dict:
     """Rank 0: root and carried tensors, config, side files, report, the index last; every rank learns how it went."""
-    world = dist.get_world_size()
-    out = Path(cfg.output)
-    all_frags, all_skipped = [None] * world, [None] * world
-    dist.all_gather_object(all_frags, fragments)
-    dist.all_gather_object(all_skipped, skipped)
+    out = run.out
+    all_frags, all_skipped, _ = run.gather()
 
     def final() -> dict:  # rank 0
         frags = list(all_frags)
@@ -975,22 +892,15 @@ def _finish(cfg, plan, reader, source, assigner, sig, state, fault, fragments, s
         frags.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False)
                                                               for k in plan.carried}))
         skip = sorted({s for ss in all_skipped for s in ss})
-        config = dict(source.config)
-        config["quantization_config"] = quantization_config(_config_groups(plan, set(skip)),
-                                                            sorted({*plan.unquantized, *skip}))
-        writer.write_json(out / "config.json", config)
         report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
-                  "assignment": plan.assignment, "world_size": world, "ignored_linears": sorted(plan.unquantized),
+                  "assignment": plan.assignment, "world_size": run.world, "ignored_linears": sorted(plan.unquantized),
                   "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
                   "seconds": round(time.perf_counter() - t_start, 3)}
-        report["side_files"] = writer.copy_side_files(source.root, out)
-        report["run_signature"], report["run_signature_sha256"] = sig, signature_sha(sig)
-        writer.write_json(out / REPORT_NAME, report)
-        writer.merge_index(out, frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
-        state.finish()
+        run.write_final(source.config, _config_groups(plan, set(skip)), sorted({*plan.unquantized, *skip}), report,
+                        frags, lambda: writer.copy_side_files(source.root, out))
         return report
 
-    return rank0_stage(final, "writing the config, report and index") or {}
+    return run.final(final)
 
 
 # transformers' usual module order inside a layer (the model path lists Linears in module order)

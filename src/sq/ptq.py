@@ -33,7 +33,7 @@ def build_parser() -> ArgParser:
     import dataclasses
 
     from sq.quant.algorithms import add_arguments, algorithm_names
-    from sq.quant.blockwise import PTQConfig
+    from sq.config import PTQConfig
 
     # the job's defaults are PTQConfig's (written once); the algorithm's, its config's
     job_algo = PTQConfig.__dataclass_fields__["algo"].default_factory.name
@@ -107,7 +107,7 @@ def build_parser() -> ArgParser:
 
 def parse_args(argv=None, with_model_free: bool = False):
     from sq.quant.algorithms import config_from_namespace
-    from sq.quant.blockwise import PTQConfig
+    from sq.config import PTQConfig
 
     a = build_parser().parse_args(argv)
     cfg = PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=config_from_namespace(a.algo, a),
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         from sq import modelfree
         from sq.dist import init_distributed, setup_logging
         from sq.memory import tune_heap
-        from sq.quant.blockwise import quantize_model
+        from sq.pipeline.job import quantize_model
 
         cfg, model_free = parse_args(argv, with_model_free=True)
         tune_heap()

@@ -1,6 +1,6 @@
 """What an algorithm is to the pipeline: a config type, a handler class, and a registry.
 
-The block pipeline (``sq.quant.pipeline``) knows no algorithm by name.  Per decoder block it
+The block pipeline (``sq.pipeline.blocks``) knows no algorithm by name.  Per decoder block it
 calls the handler found for the job's config type (torchao's handler-per-config)::
 
     observe(work)                      statistics from the block's calibration forwards
@@ -72,7 +72,7 @@ class BlockWork:
     index: int
     prefix: str
     block: nn.Module
-    linears: list  # sq.quant.pipeline.Linear
+    linears: list  # sq.pipeline.blocks.Linear
     experts: list  # [(prefix, experts module, scheme)]
     inputs: list
     fp_inputs: list

@@ -28,42 +28,59 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.agree import agree, job_facts
-from sq.dist import all_ok, broadcast_object, rank0_stage, rank_device
+from sq.anatomy import (
+    EXPERT_PARAMS,
+    decoder_blocks,
+    experts_modules,
+    partner_groups,
+    quantized_layout_problems,
+    routers,
+)
+from sq.dist import rank_device
 from sq.errors import SqError
 from sq.export import writer
-from sq.formats.compressed import compress_weight, quantization_config
-from sq.files import LOG_DIR, REPORT_NAME, REPORT_PNG, RUN_DIR, sha256_bytes, shard_name, written_by_sq
+from sq.files import LOG_DIR, REPORT_PNG, sha256_bytes, shard_name
+from sq.formats import specs
+from sq.formats.compressed import compress_weight
+from sq.formats.schemes import QuantScheme, check_group_size
 from sq.load.fill import local_box
-from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, partner_groups, quantized_layout_problems,
-                        routers)
 from sq.memory import HeapTrim, peak_rss_bytes, rss_breakdown
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
-from sq.formats import specs
 from sq.quant import rtn
 from sq.quant.activations import ActivationObservation, kv_cache_args, kv_cache_problems
 from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
-from sq.quant.experts import (SlotStats, export_slots, full_expert_rows, is_ep_param, local_experts, segment_rows,
-                              slot_rows)
+from sq.quant.experts import (
+    SlotStats,
+    export_slots,
+    full_expert_rows,
+    is_ep_param,
+    local_experts,
+    segment_rows,
+    slot_rows,
+)
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
-from sq.formats.schemes import QuantScheme, check_group_size
-from sq.report import add_log_file, block_progress, remove_log_file, summary_lines, write_report_png
-from sq.resume import Fault, RunState, describe_diff, maybe_die, signature_diff, signature_sha
+from sq.report import (
+    add_log_file,
+    block_progress,
+    remove_log_file,
+    summary_lines,
+    write_report_png,
+)
+from sq.run import Run, signature, versions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Linear", "Targets", "plan_targets", "run_pipeline", "raise_all"]
+__all__ = ["Linear", "Targets", "plan_targets", "run_pipeline"]
 
 
 @dataclass
@@ -112,12 +129,6 @@ def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> T
     assignment.update({p: scheme_tag(s) for es in experts for p, _, s in es})
     return Targets(blocks, linears, experts, unquantized, assignment)
 
-
-def raise_all(problems: list[str], what: str) -> None:
-    """Every rank raises together (the same problems where they are the same), or none does."""
-    all_ok(not problems, what)
-    if problems:
-        raise SqError(problems)
 
 
 def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets, calibrated: bool) -> list[str]:
@@ -176,95 +187,11 @@ def _row_shard_problems(targets: Targets) -> list[str]:
 
 
 def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weights, data: dict, world: int) -> dict:
-    """Everything a resumed run must share with the run it continues: the source, the job's
-    settings that change bits (calibration ones only for an algorithm that reads calibration
-    data), the algorithm's config, the resolved module -> scheme assignment, the world."""
-    sig = {
-        "source": weights.identity(),
-        "args": cfg.signature_args(calibrated=calibrated),
-        "algorithm": cfg.algo.signature(),
-        "schemes": assigner.to_dict(),
-        "assignment": targets.assignment,
-        "world_size": world,
-        "blocks": [p for p, _ in targets.blocks],
-        "versions": versions(),
-    }
-    if calibrated:
-        sig["dataset"] = data
-    return sig
-
-
-def output_verdict(out: Path, sig: dict, resume: str, state: RunState) -> dict:
-    """What to do with ``--output`` (rank 0, read-only): ``{"action", "problems"}``.
-
-    action: ``fresh`` (empty or new), ``resume`` (an unfinished run of the same signature),
-    ``replace`` (remove what sq wrote there, keep anything else, start over), ``complete``
-    (a finished output of the same signature).  Completion and resumption are decided from the
-    stored signature, never from the mere presence of files.
-    """
-    def verdict(action, *problems):
-        return {"action": action, "problems": list(problems)}
-
-    again = "rerun with the same command, or pass --resume never to start over"
-    try:
-        unfinished = state.read_signature()
-    except SqError as e:
-        return verdict("replace") if resume == "never" else verdict("refuse", *e.problems)
-    if unfinished is not None:
-        if resume == "never":
-            return verdict("replace")
-        changed = signature_diff(unfinished, sig)
-        if not changed:
-            return verdict("resume")
-        if not state.any_block_done():  # nothing worth keeping: a refused or failed start
-            logger.info("%s holds an unfinished run with other settings that completed no block; starting over", out)
-            return verdict("replace")
-        return verdict("refuse", f"{out} holds an unfinished run with different settings ({describe_diff(changed)}); "
-                                 f"{again}")
-    if resume == "require":
-        return verdict("refuse", f"--resume require: {out} holds no run to resume")
-    finished = writer.finished_signature(out)
-    if finished is not None:
-        changed = signature_diff(finished, sig)
-        if resume == "never":
-            return verdict("replace")
-        if not changed:
-            return verdict("complete")
-        return verdict("refuse", f"{out} holds a finished sq checkpoint made with different settings "
-                                 f"({describe_diff(changed)}); choose another folder, or pass --resume never to replace it")
-    problems = writer.output_dir_problems(out)  # anything but .sq-run/ there: never overwritten
-    if problems:
-        return verdict("refuse", *problems)
-    if (out / RUN_DIR).is_dir() and any(p.name != "lock" for p in (out / RUN_DIR).iterdir()):
-        return verdict("replace")  # a run folder that never got a signature (killed while starting)
-    return verdict("fresh")
-
-
-def claim_output(out: Path, sig: dict, resume: str, state: RunState, rank: int) -> str:
-    """Decide on rank 0, refuse together, then take the folder (lock first, then clear, then sign).
-    Returns the action; ``complete`` means there is nothing to do."""
-    verdict = broadcast_object(output_verdict(out, sig, resume, state) if rank == 0 else None)
-    raise_all(verdict["problems"], "output folder checks")
-    if verdict["action"] == "complete":
-        return "complete"
-    problems = []
-    if rank == 0:
-        try:
-            state.take_lock()
-            # under the lock, the folder must still be what the verdict was made from
-            if output_verdict(out, sig, resume, state) != verdict:
-                raise SqError(f"{out} changed while this run was starting (another sq run?); run the command again")
-            if verdict["action"] == "replace":
-                removed = state.clear(written_by_sq)
-                logger.info("removed the previous run's files from %s: %s", out, ", ".join(removed) or "none")
-            if verdict["action"] != "resume":
-                state.write_signature(sig)
-        except SqError as e:
-            problems += e.problems
-        except OSError as e:
-            problems.append(f"cannot write to --output {out}: {e.strerror or e}")
-    raise_all(problems, "taking the output folder")
-    return verdict["action"]
+    """The run's signature (``sq.run.signature``): calibration settings and the dataset only for an
+    algorithm that reads calibration data."""
+    return signature(source=weights.identity(), args=cfg.signature_args(calibrated=calibrated),
+                     algorithm=cfg.algo.signature(), schemes=assigner.to_dict(), assignment=targets.assignment,
+                     world=world, blocks=[p for p, _ in targets.blocks], **({"dataset": data} if calibrated else {}))
 
 
 def _nonfinite(linears: list[Linear], experts, device) -> list[str]:
@@ -316,41 +243,6 @@ def _err_terms(w: torch.Tensor, deqs: list[torch.Tensor], H: torch.Tensor | None
     return [x for num in parts[1:] for x in (num, parts[0])]
 
 
-def _raise_enospc() -> None:
-    raise OSError(28, "No space left on device (injected)")
-
-
-class _Files:
-    """One background thread for each block's file I/O (serialization, fsyncs), at most one block
-    behind the computation: ``submit`` first waits for the previous block's files, so the manifest
-    records blocks in order and ranks stay within one block of each other, as resume expects.  An
-    error (ENOSPC) or a fault there surfaces on the next ``submit`` or on ``close``."""
-
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sq-files")
-        self._pending: Future | None = None
-
-    def wait(self) -> float:
-        """Seconds spent waiting for the pending block's files (0 if none)."""
-        if self._pending is None:
-            return 0.0
-        t = time.perf_counter()
-        pending, self._pending = self._pending, None
-        pending.result()
-        return time.perf_counter() - t
-
-    def submit(self, fn: Callable[[], None]) -> float:
-        waited = self.wait()
-        self._pending = self._pool.submit(fn)
-        return waited
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
-
-
 @dataclass
 class _Stats:
     layers: dict[str, dict] = field(default_factory=dict)
@@ -369,8 +261,7 @@ class _Pipeline:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = rank_device()
         self.out = Path(cfg.output)
-        self.fault = Fault.parse(cfg.fault)
-        self.state = RunState(self.out, self.rank, enabled=cfg.bookkeeping)
+        self.run = Run(self.out, bookkeeping=cfg.bookkeeping, fault=cfg.fault)
         self.algo = make_algorithm(cfg.algo)
         # calibration data: for the algorithm, or to observe static activation / KV cache scales (then
         # one observed forward per block, before the solve: sq.quant.activations)
@@ -383,57 +274,29 @@ class _Pipeline:
         self.weight_dtype = main_dtype(self.targets.blocks[0][1]) if self.targets.blocks else None
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
-        self.files = _Files()
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
         # their shards, every few blocks where calibration forwards churn activations (sq.memory)
         self.trim = HeapTrim() if self.calibrated else HeapTrim(every=1)
-        # resume bookkeeping seconds by block (checksums, chain cache, manifest), spent in the background
-        self.book_s: dict[int, float] = {}
-
-    def _fault_point(self, point: str, b: int) -> None:
-        """Test-only (``SQ_FAULT``) kill or stop inside block ``b``'s computation, fired once every rank's files
-        of the blocks before ``b`` are durable: the background writer runs up to one block behind, so
-        without this wait what the kill leaves (and where the rerun resumes) would depend on timing."""
-        f = self.fault
-        if f is None or f.point != point or (f.block is not None and f.block != b):
-            return
-        self.files.wait()
-        dist.barrier()
-        maybe_die(f, point, self.rank, b)
 
     # ---- before anything is mutated
     def claim(self) -> bool:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
         problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
-        self.sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
+        sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
-            self.sig["args"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
+            sig["args"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         tokens = self.windows() if self.calibrated else None
-        agree(job_facts(self.sig, output=str(self.out.absolute()), config=self.weights.config,
-                        tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes())),
-              "job")
-        raise_all(problems, "model and output checks")
-        if claim_output(self.out, self.sig, cfg.resume, self.state, self.rank) == "complete":
-            logger.info("%s is already complete (same model and settings); nothing to do", self.out)
-            return False
-        return True
+        return self.run.claim(sig, cfg.resume, problems, config=self.weights.config,
+                              tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes()))
 
     def restart_point(self) -> int:
         """The largest block every rank can restart from; keeps the manifests' blocks before it."""
-        n = len(self.targets.blocks)
-        self.state.load_manifest()
-        points = [None] * self.world
-        dist.all_gather_object(points, self.state.restart_points(need_chain=self.calibrated, n_blocks=n))
-        start = max(set.intersection(*(set(p) for p in points)))
-        self.fragments: dict[str, str] = self.state.truncate(start)
+        start = self.run.restart(len(self.targets.blocks), need_chain=self.calibrated)
         # Linears an earlier run of this job left unquantized for NaN/Inf (written raw in their block)
-        self.skipped = [n for entry in self.state.manifest["blocks"] for n in entry.get("skipped_nonfinite", [])]
         for b, ls in enumerate(self.targets.linears):
-            self.targets.linears[b] = [l for l in ls if l.name not in self.skipped]
-        if start:
-            logger.info("resuming at block %d of %d (blocks before it verified on every rank)", start, n)
+            self.targets.linears[b] = [l for l in ls if l.name not in self.run.skipped]
         return start
 
     def calibration_inputs(self, start: int) -> None:
@@ -445,7 +308,7 @@ class _Pipeline:
         self.steps = math.ceil(math.ceil(cfg.nsamples / self.world) / CALIB_BATCH)
         self.fp_inputs = self.inputs
         if start:  # both chains from the cache, never rebuilt approximately
-            q_chain, fp_chain = self.state.read_chain(start)
+            q_chain, fp_chain = self.run.state.read_chain(start)
             if q_chain and q_chain[0].dtype != self.inputs[0][0].dtype:  # the same on every rank
                 raise SqError(f"{self.out}: the cached calibration chain is {q_chain[0].dtype}, this run's forwards "
                               f"compute in {self.inputs[0][0].dtype} (the model's mixed precision changed); "
@@ -479,10 +342,10 @@ class _Pipeline:
             work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy)
         if self.algo.calibrated:
             self.algo.observe(work)
-            self._fault_point("calib", b)
+            self.run.fault_point("calib", b)
             phase["calibrate"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._fault_point("stop", b)
+        self.run.fault_point("stop", b)
         results, expert_q = self._solve(work)
         phase["solve"] = time.perf_counter() - t
         self._layer_errors(work, results)
@@ -516,7 +379,6 @@ class _Pipeline:
                 raise SqError(refused)
             logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
             self.targets.linears[b] = [l for l in linears if l.name not in bad]
-            self.skipped += bad
         return bad
 
     def _reduce(self, work: BlockWork) -> None:
@@ -650,7 +512,7 @@ class _Pipeline:
         """Gather each Linear's rows on its writer and compress; rank 0 writes the rest whole; then the
         shard, the chain cache and the manifest are written in the background (``_Files``) while the
         next block computes.  Returns the seconds spent waiting for the previous block's files."""
-        b, rank, fault = work.index, self.rank, self.fault
+        b, rank = work.index, self.rank
         tensors: dict[str, torch.Tensor] = {}
         for lin in work.linears:
             s = results[lin.name][0]
@@ -684,32 +546,11 @@ class _Pipeline:
             t_ = full_tensor(params[n] if n in params else self.model.get_buffer(n))
             if rank == 0:
                 tensors.update(self.weights.ckpt_tensors(n, t_.detach()))
-        shard = shard_name(rank, b)
-        die = None
-        if fault is not None and fault.hit("mid-shard-write", rank, b):
-            die = lambda: maybe_die(fault, "mid-shard-write", rank, b)  # noqa: E731
-        elif fault is not None and fault.hit("enospc", rank, b):
-            die = _raise_enospc
         chain = fp_chain = None
         if self.calibrated and b + 1 < len(self.targets.blocks):  # the next block's inputs (new tensors)
             chain = [h for h, _ in self.inputs]
             fp_chain = [h for h, _ in self.fp_inputs] if self.algo.fp_chain else None
-
-        def files() -> None:
-            """The block's file I/O, in this order: shard, chain cache, manifest (which marks it done)."""
-            book = {}  # resume bookkeeping: checksum, chain cache, manifest (reported on its own)
-            rec = writer.write_shard(self.out, shard, tensors, die_midway=die, checksum=self.cfg.bookkeeping,
-                                     timings=book)
-            maybe_die(fault, "after-shard-write", rank, b)
-            if rec:
-                self.fragments.update({k: shard for k in rec["tensors"]})
-            t_book = time.perf_counter()
-            if chain is not None:
-                self.state.write_chain(b + 1, chain, fp_chain)
-            self.state.record_block(b, {shard: rec} if rec else {}, fault, skipped=bad)
-            self.book_s[b] = book.get("checksum", 0.0) + time.perf_counter() - t_book
-
-        wait = self.files.submit(files)
+        wait = self.run.write_block(b, tensors, bad, chain, fp_chain)
         self.weights.free(names)
         self.trim()
         return wait
@@ -727,9 +568,9 @@ class _Pipeline:
     # ---- after the blocks
     def finish(self, start: int) -> dict:
         """Root tensors, then rank 0's final stage that every rank waits for."""
-        rank, world, weights = self.rank, self.world, self.weights
+        rank, weights = self.rank, self.weights
         for entry in self.stats.blocks:  # the background files' bookkeeping, by block
-            entry["bookkeeping"] = round(self.book_s.get(entry["block"], 0.0), 3)
+            entry["bookkeeping"] = round(self.run.book_s.get(entry["block"], 0.0), 3)
         params = dict(self.model.named_parameters())
         root = {}
         for n in weights.root_names:  # whole, under the checkpoint's own names (a tied alias has no key)
@@ -737,23 +578,21 @@ class _Pipeline:
             if rank == 0:
                 root.update(weights.ckpt_tensors(n, t.detach()))
         if rank == 0:
-            self.fragments.update(writer.write_tensors(self.out, shard_name(0, None), root))
-            self.fragments.update(weights.write_extras(self.out))
+            self.run.fragments.update(writer.write_tensors(self.out, shard_name(0, None), root))
+            self.run.fragments.update(weights.write_extras(self.out))
         mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": _peak_gpu(self.device),
                 "blocks": self.stats.blocks}
-        all_frags, all_mine = [None] * world, [None] * world
-        dist.all_gather_object(all_frags, self.fragments)
-        dist.all_gather_object(all_mine, mine)
+        all_frags, _, all_mine = self.run.gather(mine)
 
         def final() -> dict:  # rank 0: config, side files, report and (last) the index
             report = self._report(all_mine, start)
-            groups = _config_groups(self.targets, weights)
-            unquantized = sorted({*self.targets.unquantized, *self.skipped})
-            _finish(self.out, weights, groups, unquantized, report, all_frags, self.fault, self.state,
-                    kv_cache_args(self.cfg.kv_cache))
+            unquantized = sorted({*self.targets.unquantized, *self.run.skipped})
+            self.run.write_final(weights.config, _config_groups(self.targets, weights), unquantized, report,
+                                 all_frags, lambda: weights.write_side_files(self.out),
+                                 kv_cache=kv_cache_args(self.cfg.kv_cache), before_index=lambda: _summary(report, self.out))
             return report
 
-        return rank0_stage(final, "writing the config, report and index") or {}
+        return self.run.final(final)
 
     def _report(self, all_mine: list, start: int) -> dict:
         cfg, weights = self.cfg, self.weights
@@ -772,12 +611,10 @@ class _Pipeline:
             "layers": self.stats.layers,
             "experts_rtn_fallback": self.stats.experts_rtn_fallback,
             "resumed_from_block": start,
-            "skipped_nonfinite": self.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
+            "skipped_nonfinite": self.run.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
         }
         if self.stats.per_block:
             report[cfg.algo.name] = self.stats.per_block
-        # what a rerun compares itself with to know the folder is complete (sq.resume.signed_json)
-        report["run_signature"], report["run_signature_sha256"] = self.sig, signature_sha(self.sig)
         return report
 
 
@@ -808,7 +645,7 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
         for b in range(start, n_blocks):
             p.block(b)
     finally:  # the last block's files (a failure there raises here)
-        p.files.close()
+        p.run.files.close()
     p.progress.close()
     try:
         return p.finish(start)
@@ -853,20 +690,13 @@ def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, ac
     return tensors
 
 
-def _finish(out: Path, weights, groups, unquantized, report: dict, all_frags, fault, state, kv_cache=None) -> None:
-    """Rank 0: config, side files, report, summary, picture; the merged index last."""
-    config = weights.config
-    config["quantization_config"] = quantization_config(groups, unquantized, kv_cache_scheme=kv_cache)
-    writer.write_json(out / "config.json", config)
-    report["side_files"] = weights.write_side_files(out)
-    writer.write_json(out / REPORT_NAME, report)
+def _summary(report: dict, out: Path) -> None:
+    """The report's summary on the log, and its picture."""
     for line in summary_lines(report):
         logger.info("%s", line)
     picture = write_report_png(report, out / REPORT_PNG)
     if picture is not None:
         logger.info("report picture: %s", picture)
-    writer.merge_index(out, all_frags, before_write=lambda: maybe_die(fault, "index-merge", 0))
-    state.finish()  # the index and config exist: the run folder is no longer needed
 
 
 def _config_groups(targets: Targets, weights) -> dict:
@@ -884,16 +714,6 @@ def _config_groups(targets: Targets, weights) -> dict:
         return {s: ["Linear"] for s in members}
     biggest = max(members, key=lambda s: len(members[s]))
     return {s: (["Linear"] if s == biggest else names) for s, names in members.items()}
-
-
-def versions() -> dict[str, Any]:
-    import compressed_tensors
-    import transformers
-
-    from sq.version import __version__
-
-    return {"sq": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "compressed_tensors": compressed_tensors.__version__}
 
 
 def _peak_gpu(device: torch.device) -> int | None:

@@ -1,6 +1,6 @@
 """Where the PTQ driver's weights come from, and what their checkpoint names are.
 
-The driver (``sq.quant.blockwise``) walks decoder blocks; for each it asks its weight source to
+The driver (``sq.pipeline.job``) walks decoder blocks; for each it asks its weight source to
 ``fill`` the block's tensors before quantizing and to ``free`` them after.  Two sources:
 
 - ``CheckpointWeights``: a checkpoint folder, read one block at a time into FSDP2 / EP shards
@@ -24,14 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from sq.agree import content_hashes
+from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
 from sq.errors import SqError
 from sq.export import writer
 from sq.files import CARRIED_NAME
 from sq.load.loader import LoadPlan, fill, free
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
-from sq.agree import content_hashes
 from sq.resume import source_identity
-
 
 
 class CheckpointWeights:
