@@ -11,7 +11,7 @@ if [ ! -e $model/config.json ]; then
   .venv/bin/python - $model <<'P'
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from sq.demo import resolve_model
+from sq.resolve import resolve_model
 src = resolve_model("demo:smollm2")
 cfg = AutoConfig.from_pretrained(src); cfg.num_hidden_layers = 4
 AutoModelForCausalLM.from_pretrained(src, config=cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1])

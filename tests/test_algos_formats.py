@@ -21,7 +21,7 @@ import torch
 from harness import run_ranks
 from quant_ref import checkpoint_bit_diff, exact_bits, quantize_jobs, read_tensors
 from sq.quant import rtn
-from sq.quant.algorithms.base import rtn_rows
+from sq.quant.rtn import rtn_rows
 from sq.quant.gptq import GPTQ
 from sq.formats.schemes import get_scheme
 from sq.quant.signround import tuned_global_scale, tuned_qdq, tuned_quantize

@@ -298,7 +298,7 @@ def test_clip_search_is_the_brute_force_minimum_of_each_groups_output_error():
     """``clip_search`` picks, per row and group, the shrink whose quantized weights give the least
     ``|X_g (Q(clip(w_g)) - w_g)|^2`` over the tokens (computed here directly from X, not through the
     Gram matrix), never worse than no clipping, and clips where an outlier costs the group its grid."""
-    from sq.quant.algorithms.base import rtn_rows
+    from sq.quant.rtn import rtn_rows
     from sq.quant.awq import CLIP_GRID, clip_search
     from sq.formats.schemes import get_scheme
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 from harness import run_ranks
 from sq.errors import SqError
 from sq.parallel.collectives import dim0_counts
-from sq.quant.algorithms.base import BlockWork
+from sq.quant.work import BlockWork
 from sq.quant.algorithms.gptq import GPTQAlgorithm, _owners, _solve_cost
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.formats.schemes import get_scheme

@@ -132,18 +132,18 @@ def test_row_split_linears_equal_the_model_path(runs, arch, scheme):
 
 
 def test_work_is_split_by_bytes_and_rows_only_where_it_balances():
-    from sq.modelfree import Slot, Unit, _row_ranges, split_by_bytes
+    from sq.modelfree.plan import TensorSlot, Unit, row_ranges, split_by_bytes
     from sq.quant.recipe import make_assigner
 
     fp8, w4 = (make_assigner(s, 128, [], None).assign("m.layers.0.mlp.down_proj") for s in ("FP8_BLOCK", "W4A16"))
 
     def dense(n):
-        return Unit(0, [Slot("m.layers.0.mlp.down_proj.weight", "m.layers.0.mlp.down_proj.")], w4, "d", n)
+        return Unit(0, [TensorSlot("m.layers.0.mlp.down_proj.weight", "m.layers.0.mlp.down_proj.")], w4, "d", n)
 
     def expert(n):
-        return Unit(0, [Slot("m.layers.0.mlp.experts.0.down_proj.weight", "p.")], w4, "e", n)
+        return Unit(0, [TensorSlot("m.layers.0.mlp.experts.0.down_proj.weight", "p.")], w4, "e", n)
 
-    kept = Unit(0, [Slot("m.layers.0.input_layernorm.weight", None)], None, "k", 100)
+    kept = Unit(0, [TensorSlot("m.layers.0.input_layernorm.weight", None)], None, "k", 100)
     # many small units: whole units balance, nothing is split
     assert split_by_bytes([dense(10)] * 20, 4) == ([0, 1, 2, 3] * 5, [])
     # one Linear dominates: its rows are spread, the rest balance around it
@@ -157,9 +157,9 @@ def test_work_is_split_by_bytes_and_rows_only_where_it_balances():
     assert split_by_bytes([dense(100), dense(10)], 1) == ([0, 0], [])
     assert split_by_bytes([dense(100), dense(10), kept], 2, split_at=1) == ([0, 1, 0], [0, 1])
     # rows cut at FP8_BLOCK's 128-row blocks; per-group scales anywhere on a row
-    assert _row_ranges(300, fp8, 2) == [(0, 128), (128, 300)]
-    assert _row_ranges(300, fp8, 4) == [(0, 0), (0, 128), (128, 256), (256, 300)]
-    assert _row_ranges(7, w4, 3) == [(0, 2), (2, 4), (4, 7)]
+    assert row_ranges(300, fp8, 2) == [(0, 128), (128, 300)]
+    assert row_ranges(300, fp8, 4) == [(0, 0), (0, 128), (128, 256), (256, 300)]
+    assert row_ranges(7, w4, 3) == [(0, 2), (2, 4), (4, 7)]
 
 
 def test_unknown_model_type_is_quantized_without_a_model(checkpoints, runs, tmp_path):

@@ -132,7 +132,7 @@ def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(sch
 
     from torch import nn
 
-    from sq.quant.algorithms import BlockWork
+    from sq.quant.work import BlockWork
     from sq.quant.algorithms import gptq as gptq_algo
     from sq.quant.gptq import GPTQ, GPTQConfig
 
@@ -161,7 +161,7 @@ def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(sch
     names, real = [], alg._rows
     monkeypatch.setattr(alg, "_rows", lambda g, w, sc, name, *a, **k: names.append(name) or real(g, w, sc, name, *a, **k))
     got = {p: alg.solve_experts(work, "mlp.experts", ex, p, ex._parameters[p], 0, s) for p in ("gate_up_proj", "down_proj")}
-    assert work.expert_fallback == []
+    assert alg.fallback_experts(work) == []
     assert [n for n in names if "gate_up" in n] == [f"mlp.experts.{r}.gate_up_proj" for r in ("0-2", "3-5", "6-7")]
     for e, w in enumerate(want):
         g = got["gate_up_proj"][e]

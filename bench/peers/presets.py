@@ -7,7 +7,7 @@ Runs in sq's venv (it only starts subprocesses; llm-compressor runs in bench/_wo
     .venv/bin/python bench/peers/presets.py eval [--models smollm2] [--presets ...] [--sq-src DIR]
     .venv/bin/python bench/peers/presets.py table
 
-- Models: ``smollm2`` = demo:smollm2 (bf16 SmolLM2-135M, resolved by sq.demo.resolve_model),
+- Models: ``smollm2`` = demo:smollm2 (bf16 SmolLM2-135M, resolved by sq.resolve.resolve_model),
   ``llama`` = the tiny Llama fixture of sq.testing.checkpoints (fp32), built under bench/_work/fixtures.
 - ``ref``: bench/peers/llmc_rtn.py in venv-llmc -> bench/_work/ref/<model>-<PRESET> (kept; an existing
   complete output is skipped unless --force). Int group presets use --group-size 64 (576 % 128 != 0).
@@ -65,7 +65,7 @@ MODELS = ["smollm2", "llama"]
 
 def model_dir(name: str) -> Path:
     code = {
-        "smollm2": "from sq.demo import resolve_model; print(resolve_model('demo:smollm2'))",
+        "smollm2": "from sq.resolve import resolve_model; print(resolve_model('demo:smollm2'))",
         "llama": f"from sq.testing.checkpoints import CheckpointFactory; from pathlib import Path; "
                  f"print(CheckpointFactory(Path({str(WORK / 'fixtures')!r}))['llama'])",
     }[name]

@@ -38,11 +38,6 @@ import torch.nn as nn
 
 from sq.anatomy import (
     EXPERT_PARAMS,
-    decoder_blocks,
-    experts_modules,
-    partner_groups,
-    quantized_layout_problems,
-    routers,
 )
 from sq.dist import rank_device
 from sq.errors import SqError
@@ -50,14 +45,15 @@ from sq.export import writer
 from sq.files import LOG_DIR, REPORT_PNG, sha256_bytes, shard_name
 from sq.formats import specs
 from sq.formats.compressed import compress_weight
-from sq.formats.schemes import QuantScheme, check_group_size
 from sq.load.fill import local_box
 from sq.memory import HeapTrim, peak_rss_bytes, rss_breakdown
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
 from sq.quant import rtn
-from sq.quant.activations import ActivationObservation, kv_cache_args, kv_cache_problems
-from sq.quant.algorithms import Algorithm, BlockWork, Solved, make_algorithm, rtn_rows
+from sq.quant.activations import ActivationObservation, kv_cache_args
+from sq.quant.algorithms import make_algorithm
+from sq.quant.rtn import rtn_rows
+from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import (
     SlotStats,
     export_slots,
@@ -76,114 +72,12 @@ from sq.report import (
     summary_lines,
     write_report_png,
 )
+from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Linear", "Targets", "plan_targets", "run_pipeline"]
-
-
-@dataclass
-class Linear:
-    """One quantized dense Linear of a block."""
-
-    name: str  # model name of the module, e.g. model.layers.3.self_attn.q_proj
-    module: nn.Linear
-    ckpt_prefix: str  # checkpoint name minus "weight", e.g. model.layers.3.self_attn.q_proj.
-    owner: int  # writer rank
-    scheme: QuantScheme
-
-
-@dataclass
-class Targets:
-    """What the job quantizes, decided from the model and the recipe before anything is mutated."""
-
-    blocks: list[tuple[str, nn.Module]]
-    linears: list[list[Linear]]  # per block
-    experts: list[list[tuple[str, nn.Module, QuantScheme]]]  # per block: (prefix, fused experts, scheme)
-    unquantized: list[str]  # every unquantized Linear by name, and the MoE routers (vLLM builds them as Linears)
-    assignment: dict[str, str]  # module -> scheme tag
-
-
-def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> Targets:
-    blocks = decoder_blocks(model)
-    gates = set(routers(model))  # routers and shared-expert gates: never quantized (vLLM runs them unquantized)
-    linears, k = [], 0
-    for prefix, block in blocks:
-        mine = []
-        for n, m in block.named_modules():
-            full = f"{prefix}.{n}"
-            scheme = assigner.assign(full) if isinstance(m, nn.Linear) and full not in gates else None
-            if scheme is not None:
-                ck = weights.ckpt_name(f"{full}.weight")
-                mine.append(Linear(full, m, ck.removesuffix("weight"), k % world, scheme))  # round-robin writers
-                k += 1
-        linears.append(mine)
-    experts = [[(f"{prefix}.{n}", ex, assigner.assign(f"{prefix}.{n}")) for n, ex in experts_modules(block)]
-               for prefix, block in blocks]
-    experts = [[e for e in es if e[2] is not None] for es in experts]
-    quantized = {l.name for ls in linears for l in ls}
-    unquantized = sorted({n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized}
-                         | {n for n, m in model.named_modules() if type(m).__name__.endswith("Router")} | gates)
-    assignment = {l.name: scheme_tag(l.scheme) for ls in linears for l in ls}
-    assignment.update({p: scheme_tag(s) for es in experts for p, _, s in es})
-    return Targets(blocks, linears, experts, unquantized, assignment)
-
-
-
-def _model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets, calibrated: bool) -> list[str]:
-    """Refusals that depend on the model (identical on every rank): group sizes, EP split, the algorithm's own."""
-    problems = []
-    world = dist.get_world_size()
-    if world % cfg.ep:
-        problems.append(f"--ep {cfg.ep} does not divide the world size {world}")
-    for (prefix, block), lins in zip(targets.blocks, targets.linears):
-        for n, ex in experts_modules(block):
-            e, hidden, inter = ex._parameters["down_proj"].shape
-            scheme = assigner.assign(f"{prefix}.{n}")
-            for pname, width in (("gate_up_proj", hidden), ("down_proj", inter)):
-                try:
-                    if scheme is not None:
-                        check_group_size(f"{prefix}.{n}.{pname}", width, scheme)
-                except SqError as err:
-                    problems += err.problems
-            if cfg.ep > 1 and e % cfg.ep:
-                problems.append(f"{prefix}.{n}: {e} experts do not split evenly over --ep {cfg.ep}")
-        for lin in lins:
-            try:
-                check_group_size(lin.name, lin.module.in_features, lin.scheme)
-            except SqError as e:
-                problems += e.problems
-    problems += quantized_layout_problems(model)
-    problems += _row_shard_problems(targets)
-    problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
-    problems += algo.refusals(model, assigner, world, cfg.ep)
-    if calibrated and cfg.nsamples < world:
-        problems.append(f"--nsamples {cfg.nsamples} is smaller than the world size {world}: "
-                        "every rank needs calibration samples")
-    if not targets.assignment:
-        problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
-    # plan_targets asked the assigner about every module it may quantize: a user pattern that
-    # matched none of them (nor a Linear sq keeps in full precision) is a typo
-    problems += assigner.unmatched_problems(targets.unquantized, allow=cfg.allow_unmatched)
-    return problems
-
-
-def _row_shard_problems(targets: Targets) -> list[str]:
-    """The row-independence contract, enforced: every rank quantizes only its rows, so a scheme whose
-    scales read statistics across rows must declare them as reductions (``sq.formats.specs``; the
-    ``reduce`` stage all-reduces them before any rank solves; on fused experts per checkpoint tensor:
-    gate, up and down of each expert apart)."""
-    dense = {l.scheme for ls in targets.linears for l in ls}
-    experts = {s for es in targets.experts for _, _, s in es}
-    problems = []
-    for scheme in sorted(dense | experts, key=scheme_tag):
-        try:
-            specs.check_row_shardable(scheme)
-        except SqError as e:
-            problems += e.problems
-            continue
-    return problems
+__all__ = ["run_pipeline"]
 
 
 def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weights, data: dict, world: int) -> dict:
@@ -192,33 +86,6 @@ def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weig
     return signature(source=weights.identity(), args=cfg.signature_args(calibrated=calibrated),
                      algorithm=cfg.algo.signature(), schemes=assigner.to_dict(), assignment=targets.assignment,
                      world=world, blocks=[p for p, _ in targets.blocks], **({"dataset": data} if calibrated else {}))
-
-
-def _nonfinite(linears: list[Linear], experts, device) -> list[str]:
-    """The block's quantized weights holding NaN or Inf on any rank (collective; the same list on every rank)."""
-    names = [l.name for l in linears] + [f"{e}.{p}" for e, _, _ in experts for p in EXPERT_PARAMS]
-    if not names:
-        return []
-    local = [local_box(l.module.weight)[0] for l in linears]
-    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in EXPERT_PARAMS]
-    flags = torch.tensor([not rtn.all_finite(t) for t in local], dtype=torch.int32, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [n for n, f in zip(names, flags.tolist()) if f]
-
-
-def _nonfinite_refusal(bad: list[str], linears: list[Linear], weights, skip: bool) -> list[str]:
-    """Refusals for non-finite weights ([] where ``--skip-nonfinite`` may leave them unquantized)."""
-    dense = {l.name for l in linears}
-    problems = []
-    for n in bad:
-        if n in dense and not skip:
-            problems.append(f"{n}.weight (checkpoint key {weights.ckpt_name(n + '.weight')!r}) holds NaN or Inf "
-                            "values: its scales would be NaN. Fix the checkpoint, or pass --skip-nonfinite to leave "
-                            "such Linears unquantized")
-        elif n not in dense:
-            problems.append(f"{n} holds NaN or Inf values in some experts; --skip-nonfinite leaves dense Linears "
-                            "only: fix the checkpoint, or leave these experts out with --ignore / a recipe")
-    return problems
 
 
 def _err_terms(w: torch.Tensor, deqs: list[torch.Tensor], H: torch.Tensor | None,
@@ -282,7 +149,7 @@ class _Pipeline:
     def claim(self) -> bool:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
-        problems = _model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
+        problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
         sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
             sig["args"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
@@ -372,9 +239,9 @@ class _Pipeline:
 
     def _check_finite(self, b: int) -> list[str]:
         linears, experts = self.targets.linears[b], self.targets.experts[b]
-        bad = _nonfinite(linears, experts, self.device)
+        bad = nonfinite(linears, experts, self.device)
         if bad:  # every rank has the same list: they refuse together, or skip the same Linears
-            refused = _nonfinite_refusal(bad, linears, self.weights, self.cfg.skip_nonfinite)
+            refused = nonfinite_refusal(bad, linears, self.weights, self.cfg.skip_nonfinite)
             if refused:
                 raise SqError(refused)
             logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
@@ -393,12 +260,8 @@ class _Pipeline:
                 stats = rtn.local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
                 for r in reds:
                     dist.all_reduce(stats[r.stat], op=r.reduce_op)
-                work.stats[lin.name] = stats
-        for group in partner_groups([n for n in work.stats if "global_absmax" in work.stats[n]]):
-            if len(group) > 1:  # one global scale per fused weight (vLLM requires it; llm-compressor does it)
-                shared = torch.stack([work.stats[n]["global_absmax"] for n in group]).amax(0)
-                for n in group:
-                    work.stats[n]["global_absmax"] = shared.clone()
+                work.linear_stats[lin.name] = stats
+        rtn.share_global_absmax(work.linear_stats)
         for eprefix, ex, scheme in work.experts:
             reds = specs.required_reductions(scheme)
             if not reds:
@@ -427,7 +290,7 @@ class _Pipeline:
                         dist.all_reduce(flat, op=r.reduce_op, group=p.device_mesh.get_group(0))
                         for st, part in zip(every, flat.split([st[r.stat].numel() for st in every])):
                             st[r.stat].copy_(part.view_as(st[r.stat]))
-                work.stats[(eprefix, pname)] = per_expert
+                work.expert_stats[(eprefix, pname)] = per_expert
 
     def _observe_activations(self, work: BlockWork):
         """One forward of the block (full-precision weights, this rank's inputs) with the static
@@ -455,7 +318,7 @@ class _Pipeline:
         for (lin, w), local, s in zip(items, locals_, self.algo.solve_linears(work, items)):
             deqs = [s.deq]
             if compare:  # RTN on the same rows (and the same H), for comparison in the report
-                deqs.append(rtn_rows(w, lin.scheme, work.stats.get(lin.name), work.row_offset.get(lin.name, 0)).deq)
+                deqs.append(rtn_rows(w, lin.scheme, work.linear_stats.get(lin.name), work.row_offset.get(lin.name, 0)).deq)
             terms = _err_terms(w, deqs, s.H, h_cast, err_dtype)
             local.copy_(s.deq)
             results[lin.name] = (s, terms)
@@ -489,20 +352,18 @@ class _Pipeline:
                 self.stats.layers[l.name] = entry
         if work.experts:
             every = [None] * self.world
-            dist.all_gather_object(every, work.expert_fallback)
+            dist.all_gather_object(every, self.algo.fallback_experts(work))
             self.stats.experts_rtn_fallback += len(set().union(*every))  # dp replicas name the same experts
 
     def _propagate(self, work: BlockWork, observed_out=None) -> None:
         """The next block's inputs: the quantized chain of a data-driven algorithm (and the fp chain
         where it keeps it); RTN's observed forward's outputs (the full-precision chain, as
         llm-compressor calibrates activations for round-to-nearest); the algorithm's own
-        (``work.next_inputs``: AWQ's full-precision chain) where it computed them."""
-        if work.next_inputs is not None:
-            outs = work.next_inputs
-        elif not self.algo.calibrated:
-            outs = observed_out
-        else:
-            outs = block_forward(work.block, self.inputs, self.steps, self.dummy)
+        (AWQ's full-precision chain) where it computed them."""
+        outs = self.algo.next_inputs(work)
+        if outs is None:
+            outs = observed_out if not self.algo.calibrated else block_forward(work.block, self.inputs, self.steps,
+                                                                                self.dummy)
         self.inputs = [(y, kw) for y, (_, kw) in zip(outs, self.inputs)]
         if self.algo.fp_chain:
             self.fp_inputs = [(y, kw) for y, (_, kw) in zip(work.fp_out, self.fp_inputs)]
@@ -529,15 +390,14 @@ class _Pipeline:
                     fz = gather_rows(s.zero_point, rows, dst) if s.zero_point is not None else None
             if rank == dst:
                 for rel, v in compress_weight((fq, fs, fz), lin.scheme, (out_f, in_f), global_scale=s.global_scale,
-                                              activation_scales=work.acts.get(lin.name)).items():
+                                              activation_scales=work.acts.linears.get(lin.name)).items():
                     tensors[lin.ckpt_prefix + rel] = v
         for (eprefix, ex, scheme) in work.experts:
             tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme,
-                                           acts=work.acts))
+                                           acts=work.acts.experts))
         if rank == 0:  # KV cache scales: per attention layer, the same on every rank
-            for attn, scales in work.acts.items():
-                if isinstance(attn, str) and "k_scale" in scales:
-                    tensors.update({self._ckpt_module(attn) + k: v for k, v in scales.items()})
+            for attn, scales in work.acts.kv.items():
+                tensors.update({self._ckpt_module(attn) + k: v for k, v in scales.items()})
         skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in EXPERT_PARAMS}
         params = dict(self.model.named_parameters())
         for n in names:
@@ -587,7 +447,7 @@ class _Pipeline:
         def final() -> dict:  # rank 0: config, side files, report and (last) the index
             report = self._report(all_mine, start)
             unquantized = sorted({*self.targets.unquantized, *self.run.skipped})
-            self.run.write_final(weights.config, _config_groups(self.targets, weights), unquantized, report,
+            self.run.write_final(weights.config, config_groups(self.targets, weights), unquantized, report,
                                  all_frags, lambda: weights.write_side_files(self.out),
                                  kv_cache=kv_cache_args(self.cfg.kv_cache), before_index=lambda: _summary(report, self.out))
             return report
@@ -697,23 +557,6 @@ def _summary(report: dict, out: Path) -> None:
     picture = write_report_png(report, out / REPORT_PNG)
     if picture is not None:
         logger.info("report picture: %s", picture)
-
-
-def _config_groups(targets: Targets, weights) -> dict:
-    """``{scheme: targets}`` for ``quantization_config``: the largest group targets ``Linear``, the
-    others their modules by exact name (compressed-tensors and vLLM prefer an exact name to a class)."""
-    members: dict[QuantScheme, list[str]] = {}
-    for ls in targets.linears:
-        for l in ls:
-            members.setdefault(l.scheme, []).append(l.ckpt_prefix.removesuffix("."))
-    for es in targets.experts:
-        for eprefix, ex, scheme in es:
-            names = sorted({s.ckpt_prefix.removesuffix(".") for s in export_slots(eprefix, ex, weights.expert_pieces)})
-            members.setdefault(scheme, []).extend(names)
-    if len(members) <= 1:
-        return {s: ["Linear"] for s in members}
-    biggest = max(members, key=lambda s: len(members[s]))
-    return {s: (["Linear"] if s == biggest else names) for s, names in members.items()}
 
 
 def _peak_gpu(device: torch.device) -> int | None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sq.quant.experts import ExpertCalibration
+from sq.quant.work import ObservedScales
 from sq.formats.specs import ActivationObserver, activation_observers
 
 __all__ = ["KV_CACHE_SCHEMES", "KV_SCALES", "ActivationObservation", "kv_cache_args", "kv_cache_problems",
@@ -180,20 +181,17 @@ class ActivationObservation:
         for j, n in enumerate(kv):
             self.kv[n] = flat[len(names) + 2 * j:len(names) + 2 * j + 2]
 
-    def scales(self, dtype: torch.dtype) -> dict:
+    def scales(self, dtype: torch.dtype) -> ObservedScales:
         """The checkpoint tensors, from the reduced statistics; ``dtype``: the activations' dtype.
-
-        ``{linear name: {tensor: t}}``, ``{(experts prefix, expert, "in" | "mid"): {tensor: t}}``,
-        ``{attention name: {"k_scale": t, "v_scale": t}}`` -- the latter only with a KV cache scheme.
-        """
-        out: dict = {}
+        KV cache scales only with a KV cache scheme."""
+        out = ObservedScales()
         for n, lin in self.linears.items():
-            out[n] = {o.name: o.finalize(self.dense[n], dtype) for o in activation_observers(lin.scheme)}
+            out.linears[n] = {o.name: o.finalize(self.dense[n], dtype) for o in activation_observers(lin.scheme)}
         for eprefix, scheme, c in self.experts:
             obs = activation_observers(scheme)
             for e in c.mine:
-                out[(eprefix, e, "in")] = {o.name: o.finalize(c.amax_in[e], dtype) for o in obs}
-                out[(eprefix, e, "mid")] = {o.name: o.finalize(c.amax_mid[e], dtype) for o in obs}
+                out.experts[(eprefix, e, "in")] = {o.name: o.finalize(c.amax_in[e], dtype) for o in obs}
+                out.experts[(eprefix, e, "mid")] = {o.name: o.finalize(c.amax_mid[e], dtype) for o in obs}
         for n, t in self.kv.items():
-            out[n] = {o.name: o.finalize(t[i:i + 1], dtype) for i, o in enumerate(KV_SCALES)}
+            out.kv[n] = {o.name: o.finalize(t[i:i + 1], dtype) for i, o in enumerate(KV_SCALES)}
         return out

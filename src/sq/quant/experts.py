@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from sq.anatomy import EXPERT_PARAMS, expert_leaves
+from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
 from sq.parallel.collectives import all_gather_rows
@@ -72,6 +73,14 @@ def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]
             for j, leaf in enumerate(leaves):
                 slots.append(ExpertSlot(pname, e, j * step, (j + 1) * step, f"{ckpt_prefix}.{e}.{leaf}."))
     return sorted(slots, key=lambda s: (s.expert, s.param, s.lo))
+
+
+def whole_rows_stats(segments: list, what: str) -> dict | None:
+    """One expert's all-reduced statistics as one dict, for the algorithms whose schemes have at most a
+    global scale crossing rows (GPTQ, SignRound): its one segment covers every row of ``param[e]``."""
+    if len(segments) != 1:
+        raise SqError(f"{what}: expected one statistics segment per expert (a global scale), got {len(segments)}")
+    return segments[0].stats
 
 
 @dataclass

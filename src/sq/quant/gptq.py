@@ -368,7 +368,7 @@ class GPTQ:
         gscales = [_global_scale(st, spec, wdtype) for _, st in segs]
 
         prep = self._prepare(cfg, dev, name)
-        dead, n_dead, perm, hdiag, damp = prep.dead, prep.n_dead, prep.perm, prep.hdiag, prep.damp
+        dead, perm, hdiag = prep.dead, prep.perm, prep.hdiag
         W = w.to(torch.float32).clone()
         W[:, dead] = 0
 
@@ -431,13 +431,14 @@ class GPTQ:
 
         if perm is not None:
             Q = Q[:, torch.argsort(perm)]
-        return self._result(w, Q, scale, zp, scheme, segs, gscales, losses, dead, damp, cfg, prep, n_dead, t0)
+        return self._result(w, Q, sweep, gscales, losses, prep, cfg, t0)
 
-    def _result(self, w, Q, scale, zp, scheme, segs, gscales, losses, dead, damp, cfg, prep, n_dead,
-                t0) -> GPTQResult:
+    def _result(self, w: Tensor, Q: Tensor, sweep: _Sweep, gscales: list, losses: Tensor, prep, cfg,
+                t0: float) -> GPTQResult:
         """The solve's result: the dequantized weight (each stacked weight under its own global
-        scale), the loss and relative error, and the solve's facts."""
-        wdtype = w.dtype
+        scale), the loss and relative error, and the solve's facts (``prep``: the Hessian's)."""
+        wdtype, scheme, segs, scale, zp = w.dtype, sweep.scheme, sweep.segs, sweep.scale, sweep.zp
+        dead, damp = prep.dead, prep.damp
         if len(segs) > 1:
             weight = torch.cat([rtn.dequantize(Q[sl], scale[sl], None if zp is None else zp[sl], scheme, global_scale=g)
                                 for (sl, _), g in zip(segs, gscales)]).to(wdtype)
@@ -453,7 +454,7 @@ class GPTQ:
             damp=damp,
             percdamp=cfg.percdamp * cfg.damp_growth**prep.retries,
             retries=prep.retries,
-            dead_columns=n_dead,
+            dead_columns=prep.n_dead,
             nsamples=self.nsamples,
             seconds=time.perf_counter() - t0,
             global_scale=torch.cat(gscales) if spec_for(scheme).global_scale else None,

@@ -29,10 +29,12 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from sq.anatomy import partner_groups
 from sq.errors import SqError
 from sq.formats import primitives
 from sq.formats.specs import required_reductions, spec_for
 from sq.formats.schemes import QuantScheme
+from sq.quant.work import Solved
 
 
 def local_stats(w: Tensor, scheme: QuantScheme, *, row_offset: int = 0, rows: int | None = None) -> dict[str, Tensor]:
@@ -56,6 +58,9 @@ def scales_follow_rows(scheme: QuantScheme) -> bool:
     return primitives.scales_follow_rows(spec_for(scheme))
 
 __all__ = [
+    "rtn_rows",
+    "rtn_codes",
+    "share_global_absmax",
     "local_stats",
     "combine_stats",
     "scales_follow_rows",
@@ -146,3 +151,30 @@ def all_finite(w: torch.Tensor) -> bool:
         return bool(torch.isfinite(w.float()).all())
     lo, hi = torch.aminmax(w)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def share_global_absmax(stats: dict[str, dict[str, Tensor]]) -> None:
+    """One global scale per fused weight (q/k/v, gate/up, which an engine loads as one weight; vLLM
+    requires it, llm-compressor does it): partners' ``global_absmax`` replaced by their max."""
+    for group in partner_groups([n for n, st in stats.items() if "global_absmax" in st]):
+        if len(group) > 1:
+            shared = torch.stack([stats[n]["global_absmax"] for n in group]).amax(0)
+            for n in group:
+                stats[n]["global_absmax"] = shared.clone()
+
+
+def rtn_codes(w: torch.Tensor, scheme, stats=None, row_offset: int = 0):
+    """Round-to-nearest codes of the rows ``w``: ``(qparams, q)``, without the dequantized copy
+    (what the model-free path writes; ``rtn_rows`` adds the copy the model path writes back)."""
+    qp = qparams(w, scheme, stats=stats)
+    return qp, quantize(w, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+
+
+def rtn_rows(w: torch.Tensor, scheme, stats=None, row_offset: int = 0) -> Solved:
+    """Round-to-nearest of the rows ``w [rows, in]`` (what every algorithm is compared with).
+
+    ``stats``: the weight's cross-row statistics, all-reduced (None for row-independent schemes);
+    ``row_offset``: the first row of ``w`` in the weight (block scales are indexed by it)."""
+    qp, q = rtn_codes(w, scheme, stats, row_offset)
+    deq = dequantize(q, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
+    return Solved(q, qp.scale, qp.zero_point, deq.to(w.dtype), global_scale=qp.global_scale)

@@ -65,7 +65,7 @@ from sq.formats.schemes import QuantScheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SignRoundConfig", "Slot", "tunable", "tune_block", "tuned_qdq", "tuned_quantize", "tuned_global_scale"]
+__all__ = ["SignRoundConfig", "TunedWeight", "tunable", "tune_block", "tuned_qdq", "tuned_quantize", "tuned_global_scale"]
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ def tuned_global_scale(w: Tensor, scheme: QuantScheme, stats=None) -> Tensor | N
 
 
 @dataclass
-class Slot:
+class TunedWeight:
     """One tuned weight: this rank's dim-0 shard of ``module.<pname>`` and its parameters."""
 
     name: str
@@ -353,7 +353,7 @@ def _out(y) -> Tensor:
     return y[0] if isinstance(y, tuple) else y
 
 
-def tune_block(block: nn.Module, slots: list[Slot], q_inputs, fp_outputs: list[Tensor], nsamples: int,
+def tune_block(block: nn.Module, slots: list[TunedWeight], q_inputs, fp_outputs: list[Tensor], nsamples: int,
                cfg: SignRoundConfig, seed: int, block_index: int) -> dict:
     """Tune every slot of ``block`` in place (``slot.best``); returns ``{"loss_first", "loss_best"}``.
 

@@ -10,10 +10,9 @@ from sq.quant.algorithms import rtn  # noqa: F401  isort: skip
 from sq.quant.algorithms import gptq  # noqa: F401  isort: skip
 from sq.quant.algorithms import signround  # noqa: F401  isort: skip
 from sq.quant.algorithms import awq  # noqa: F401  isort: skip
-from sq.quant.algorithms.base import (Algorithm, BlockWork, Solved, add_arguments, algo_config, algorithm_names,
-                                      config_from_namespace, config_type, make_algorithm, register, rtn_codes,
-                                      rtn_rows)
+from sq.quant.algorithms.base import (Algorithm, add_arguments, algo_config, algorithm_names, config_from_namespace,
+                                      config_type, make_algorithm, register)
 from sq.quant.settings import AlgoConfig, option
 
-__all__ = ["AlgoConfig", "Algorithm", "BlockWork", "Solved", "option", "register", "rtn_codes", "rtn_rows", "add_arguments",
+__all__ = ["AlgoConfig", "Algorithm", "option", "register", "add_arguments",
            "algo_config", "algorithm_names", "config_from_namespace", "config_type", "make_algorithm"]

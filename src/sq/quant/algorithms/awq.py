@@ -44,7 +44,9 @@ from sq.parallel.fsdp import unsharded
 from sq.formats import specs
 from sq.quant import rtn
 from sq.quant.activations import observes_activations
-from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
+from sq.quant.algorithms.base import Algorithm, register
+from sq.quant.rtn import rtn_rows
+from sq.quant.work import BlockWork, Solved
 from sq.quant.algorithms.gptq import GPTQAlgorithm
 from sq.quant.experts import SlotStats
 from sq.quant.awq import AWQConfig, Mapping, block_mappings, candidate_scales, clip_search, grid, weight_means
@@ -94,17 +96,13 @@ def _restat(work: BlockWork) -> None:
             stats = rtn.local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
             for r in reds:
                 dist.all_reduce(stats[r.stat], op=r.reduce_op)
-            work.stats[lin.name] = stats
-    for group in partner_groups([n for n in work.stats if isinstance(n, str) and "global_absmax" in work.stats[n]]):
-        if len(group) > 1:
-            shared = torch.stack([work.stats[n]["global_absmax"] for n in group]).amax(0)
-            for n in group:
-                work.stats[n]["global_absmax"] = shared.clone()
+            work.linear_stats[lin.name] = stats
+    rtn.share_global_absmax(work.linear_stats)
     for eprefix, ex, scheme in work.experts:
         for pname in EXPERT_PARAMS if specs.required_reductions(scheme) else ():
             p = ex._parameters[pname]
             local, _ = local_box(p)
-            work.stats[(eprefix, pname)] = [
+            work.expert_stats[(eprefix, pname)] = [
                 [SlotStats(0, p.shape[1], rtn.local_stats(local[i], scheme, rows=p.shape[1]))]
                 for i in range(local.shape[0])]
 
@@ -284,7 +282,7 @@ class AWQAlgorithm(Algorithm):
         return sorted(set(problems), key=problems.index)
 
     def observe(self, work: BlockWork) -> None:
-        if any(isinstance(k, str) and "k_scale" in v for k, v in work.acts.items()):
+        if work.acts.kv:
             raise SqError("--algo awq changes the values the KV cache scales are calibrated on (v_proj is "
                           "smoothed); run it with --kv-cache none")
         maps, refused = block_mappings(work.block)
@@ -299,7 +297,7 @@ class AWQAlgorithm(Algorithm):
         finally:
             cap.remove()
         if self.config.fp_chain:  # the unscaled full-precision block's outputs, as AutoAWQ propagates
-            work.next_inputs = outs
+            work.state["next_inputs"] = outs
         x_mean = cap.reduce()
         chosen, report = [], {}
         with unsharded(work.block):
@@ -480,6 +478,12 @@ class AWQAlgorithm(Algorithm):
     def release(self, work: BlockWork) -> None:
         if self.gptq is not None:
             self.gptq.release(work)
+
+    def next_inputs(self, work: BlockWork) -> list | None:
+        return work.state.get("next_inputs")
+
+    def fallback_experts(self, work: BlockWork) -> list[str]:
+        return self.gptq.fallback_experts(work) if self.gptq is not None else []
 
     def block_report(self, work: BlockWork) -> dict | None:
         return work.state.get("report")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -33,91 +32,13 @@ import torch.nn as nn
 from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.quant import rtn
+from sq.quant.rtn import rtn_rows
+from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import local_experts, segment_rows
 from sq.quant.settings import AlgoConfig
 
-__all__ = ["Algorithm", "BlockWork", "Solved", "rtn_rows", "rtn_codes", "register", "algorithm_names", "config_type",
-           "make_algorithm", "algo_config", "rtn_codes", "add_arguments", "config_from_namespace"]
-
-
-@dataclass
-class Solved:
-    """One weight's quantized rows, as data: ``q``/``scale``/``zero_point`` in the scheme's layout,
-    ``deq`` the dequantized rows (written back into the model: the quantized chain), ``H`` the
-    matrix the error is measured through (None: weight space)."""
-
-    q: torch.Tensor | None  # None where ``writer`` holds the whole weight's codes
-    scale: torch.Tensor | None
-    zero_point: torch.Tensor | None
-    deq: torch.Tensor
-    H: torch.Tensor | None = None
-    global_scale: torch.Tensor | None = None  # NVFP4's per-tensor scale (the same on every rank)
-    # A weight solved whole on one rank: that rank (the same on every rank) writes it from ``whole``,
-    # its ``(q, scale, zero_point)`` for every row, which only it holds; the rest of the ranks hold
-    # their ``deq`` rows alone (q and scale None).  None: each rank holds its rows of everything.
-    writer: int | None = None
-    whole: tuple | None = None
-
-
-@dataclass
-class BlockWork:
-    """Everything the pipeline knows about the block being quantized, for the algorithm's hooks.
-
-    ``inputs`` / ``fp_inputs`` are this rank's local batches ``[(hidden, kwargs), ...]`` of the
-    quantized and full-precision chains; ``steps`` is the number of forwards every rank runs
-    (ranks with fewer local batches pad with ``dummy``); ``fp_out`` the full-precision block
-    outputs where the algorithm asked for them; ``state`` is the algorithm's own per-block data.
-    """
-
-    index: int
-    prefix: str
-    block: nn.Module
-    linears: list  # sq.pipeline.blocks.Linear
-    experts: list  # [(prefix, experts module, scheme)]
-    inputs: list
-    fp_inputs: list
-    steps: int
-    dummy: Any
-    device: torch.device
-    rank: int
-    world: int
-    nsamples: int
-    seed: int
-    calibrate_all_experts: bool
-    fp_out: list | None = None
-    # cross-row statistics (sq.formats.specs reductions), already all-reduced and shared by fused
-    # partners: dense weight name -> stats; (experts prefix, param) -> per local expert, a list of
-    # sq.quant.experts.SlotStats (one per checkpoint tensor of the fused rows)
-    stats: dict = field(default_factory=dict)
-    row_offset: dict = field(default_factory=dict)  # dense weight name -> this rank's first row
-    state: dict = field(default_factory=dict)
-    # calibrated activation tensors (sq.quant.activations.ActivationObservation.scales): by dense
-    # Linear name, (experts prefix, expert, "in" | "mid"), attention module name
-    acts: dict = field(default_factory=dict)
-    expert_fallback: list[str] = field(default_factory=list)  # experts no token reached (RTN instead)
-    # the checkpoint's dtype of the block's weights; the forwards may compute in another
-    # (--calib-dtype: FSDP2 then gathers the weights cast to it)
-    weight_dtype: torch.dtype | None = None
-    # the next block's inputs where the algorithm computed them (AWQ on the full-precision chain:
-    # its capture forward's outputs); None: the pipeline's propagate forward on the quantized block
-    next_inputs: list | None = None
-
-
-def rtn_codes(w: torch.Tensor, scheme, stats=None, row_offset: int = 0):
-    """Round-to-nearest codes of the rows ``w``: ``(qparams, q)``, without the dequantized copy
-    (what the model-free path writes; ``rtn_rows`` adds the copy the model path writes back)."""
-    qp = rtn.qparams(w, scheme, stats=stats)
-    return qp, rtn.quantize(w, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
-
-
-def rtn_rows(w: torch.Tensor, scheme, stats=None, row_offset: int = 0) -> Solved:
-    """Round-to-nearest of the rows ``w [rows, in]`` (what every algorithm is compared with).
-
-    ``stats``: the weight's cross-row statistics, all-reduced (None for row-independent schemes);
-    ``row_offset``: the first row of ``w`` in the weight (block scales are indexed by it)."""
-    qp, q = rtn_codes(w, scheme, stats, row_offset)
-    deq = rtn.dequantize(q, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
-    return Solved(q, qp.scale, qp.zero_point, deq.to(w.dtype), global_scale=qp.global_scale)
+__all__ = ["Algorithm", "register", "algorithm_names", "config_type", "make_algorithm", "algo_config", "add_arguments",
+           "config_from_namespace"]
 
 
 class Algorithm:
@@ -147,7 +68,7 @@ class Algorithm:
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         """This rank's rows ``w [rows, in]`` of ``linear`` (a copy; the pipeline writes ``deq`` back)."""
-        return rtn_rows(w, linear.scheme, work.stats.get(linear.name), work.row_offset.get(linear.name, 0))
+        return rtn_rows(w, linear.scheme, work.linear_stats.get(linear.name), work.row_offset.get(linear.name, 0))
 
     def solve_linears(self, work: BlockWork, items: list[tuple[Any, torch.Tensor]]) -> list[Solved]:
         """Every dense target of the block: ``items`` pairs each Linear with a copy of its local rows;
@@ -160,14 +81,14 @@ class Algorithm:
         """Expert ``e``'s local rows ``w [rows, in]`` of projection ``pname`` (rows ``[r0, r0 + rows)``
         of ``param[e]``: under EP with dp > 1 the dp group splits an expert's rows).
 
-        A scheme with cross-row statistics has them in ``work.stats`` as segments of ``param[e]``'s
+        A scheme with cross-row statistics has them in ``work.expert_stats`` as segments of ``param[e]``'s
         rows (``sq.quant.experts.SlotStats``): each checkpoint tensor (gate, up, down) for whole /
         2-D block scales, all rows for a global scale only.  Each segment's local rows are quantized
         with its own statistics at its own row offset -- exactly what that tensor quantized alone
         gives.  Scales that follow rows come back as rows; whole / block scales as one grid per
         segment, ``[n_segments, *grid]``, the same on every rank holding rows of the expert (a rank
         holding none of a segment's rows still computes its grid from the all-reduced statistics)."""
-        segs = work.stats.get((eprefix, pname))
+        segs = work.expert_stats.get((eprefix, pname))
         if not segs:
             return rtn_rows(w, scheme)
         segs = segs[e - local_experts(ex).start]
@@ -194,6 +115,15 @@ class Algorithm:
 
     def release(self, work: BlockWork) -> None:
         """Free the block's statistics."""
+
+    def next_inputs(self, work: BlockWork) -> list | None:
+        """The next block's inputs where the algorithm computed them (AWQ on the full-precision chain: its
+        capture forward's outputs); None: the pipeline's propagate forward on the quantized block."""
+        return None
+
+    def fallback_experts(self, work: BlockWork) -> list[str]:
+        """Experts this rank quantized with RTN because no calibration token reached them."""
+        return []
 
     def block_report(self, work: BlockWork) -> dict | None:
         """What the report keeps about this block (None: nothing)."""

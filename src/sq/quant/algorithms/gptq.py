@@ -10,11 +10,14 @@ import torch.distributed as dist
 from sq.anatomy import decoder_blocks, is_experts_module
 from sq.errors import SqError
 from sq.parallel.collectives import dim0_counts, gather_rows, scatter_rows
-from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register, rtn_rows
+from sq.quant.algorithms.base import Algorithm, register
+from sq.quant.rtn import rtn_rows
+from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import ExpertCalibration, local_experts
 from sq.quant.forward import block_forward
 from sq.formats import primitives
 from sq.formats.specs import spec_for
+from sq.quant.experts import whole_rows_stats
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.quant.recipe import scheme_tag
 
@@ -109,7 +112,7 @@ class GPTQAlgorithm(Algorithm):
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         g = work.state["counting"].get(linear.name)
-        solved = self._rows(g, w, linear.scheme, linear.name, work.stats.get(linear.name),
+        solved = self._rows(g, w, linear.scheme, linear.name, work.linear_stats.get(linear.name),
                             work.row_offset.get(linear.name, 0))
         solved.H = g.H if g is not None else None
         return solved
@@ -132,7 +135,7 @@ class GPTQAlgorithm(Algorithm):
             for g2, idx in stacks:
                 lin2, w2 = items[idx[0]]
                 if g2 is g and lin2.scheme == lin.scheme and w2.dtype == w.dtype and _same_stats(
-                        lin.scheme, work.stats.get(lin2.name), work.stats.get(lin.name)):
+                        lin.scheme, work.linear_stats.get(lin2.name), work.linear_stats.get(lin.name)):
                     idx.append(i)
                     break
             else:
@@ -147,10 +150,10 @@ class GPTQAlgorithm(Algorithm):
     def _solve_stack(self, work: BlockWork, g: GPTQ, lins, ws) -> list[Solved]:
         """One column loop for the rows ``ws`` (one tensor per Linear of ``lins``, all under ``g``)."""
         if len(lins) == 1:  # (_rows sets H: a stack has rows)
-            return [self._rows(g, ws[0], lins[0].scheme, lins[0].name, work.stats.get(lins[0].name))]
+            return [self._rows(g, ws[0], lins[0].scheme, lins[0].name, work.linear_stats.get(lins[0].name))]
         heights = [w.shape[0] for w in ws]
         solved = self._rows(g, torch.cat(ws), lins[0].scheme, " + ".join(l.name for l in lins),
-                            work.stats.get(lins[0].name))
+                            work.linear_stats.get(lins[0].name))
         # own storage per Linear (safetensors refuses tensors that share memory in one file)
         parts = [[p.clone() for p in t.split(heights)] if t is not None else [None] * len(lins)
                  for t in (solved.q, solved.scale, solved.zero_point)] + [solved.deq.split(heights)]
@@ -211,19 +214,9 @@ class GPTQAlgorithm(Algorithm):
 
     @staticmethod
     def _expert_stats(work, eprefix, ex, pname, e):
-        """Expert ``e``'s all-reduced statistics of ``pname`` (None: none needed).  The pipeline keeps
-        them as row segments of ``param[e]`` (``sq.quant.experts.SlotStats``); the schemes GPTQ
-        solves have at most a global scale, whose one segment covers every row."""
-        stats = work.stats.get((eprefix, pname))
-        if not stats:
-            return None
-        st = stats[e - local_experts(ex).start]
-        if isinstance(st, (list, tuple)):
-            if len(st) != 1:
-                raise SqError(f"{eprefix}.{e}.{pname}: GPTQ expects one statistics segment per expert "
-                              f"(a global scale), got {len(st)}")
-            st = st[0].stats
-        return st
+        """Expert ``e``'s all-reduced statistics of ``pname`` (None: none needed)."""
+        stats = work.expert_stats.get((eprefix, pname))
+        return whole_rows_stats(stats[e - local_experts(ex).start], f"{eprefix}.{e}.{pname}") if stats else None
 
     def solve_expert(self, work, eprefix, ex, pname, e, w, scheme) -> Solved:
         calib = work.state["calibs"].get(id(ex))
@@ -231,7 +224,7 @@ class GPTQAlgorithm(Algorithm):
         if g is not None and g.nsamples == 0:
             g = None
             if pname == "gate_up_proj":
-                work.expert_fallback.append(f"{eprefix}.{e}")
+                work.state.setdefault("fallback", []).append(f"{eprefix}.{e}")
         return self._rows(g, w, scheme, f"{eprefix}.{e}.{pname}", self._expert_stats(work, eprefix, ex, pname, e))
 
     def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
@@ -258,6 +251,9 @@ class GPTQAlgorithm(Algorithm):
                     for q, sc, z, d, g in zip(s.q.view(b - a, rows, -1).unbind(0), s.scale.view(b - a, rows, -1).unbind(0),
                                               zs, s.deq.view(b - a, rows, cols).unbind(0), gs)]
         return out
+
+    def fallback_experts(self, work: BlockWork) -> list[str]:
+        return work.state.get("fallback", [])
 
     def release(self, work: BlockWork) -> None:
         for g in work.state["counting"].gptq.values():

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
-from sq.quant.algorithms.base import Algorithm, BlockWork, Solved, register
+from sq.quant.algorithms.base import Algorithm, register
+from sq.quant.work import BlockWork, Solved
 from sq.quant.recipe import scheme_tag
 from sq.parallel.collectives import dim0_counts
 from sq.parallel.fsdp import unsharded
-from sq.quant.signround import SignRoundConfig, Slot, tunable, tune_block
+from sq.quant.experts import whole_rows_stats
+from sq.quant.signround import SignRoundConfig, TunedWeight, tunable, tune_block
 
 
 @register
@@ -39,15 +40,16 @@ class SignRoundAlgorithm(Algorithm):
         slots = {}
         for lin in work.linears:
             local, _ = local_box(lin.module.weight)
-            slots[lin.name] = Slot(lin.name, lin.module, "weight", lin.scheme, local,
-                                   dim0_counts(lin.module.out_features, work.world), work.stats.get(lin.name))
+            slots[lin.name] = TunedWeight(lin.name, lin.module, "weight", lin.scheme, local,
+                                   dim0_counts(lin.module.out_features, work.world), work.linear_stats.get(lin.name))
         for eprefix, ex, scheme in work.experts:
             for pname in EXPERT_PARAMS:
                 p = ex._parameters[pname]
                 local, _ = local_box(p)
-                slots[f"{eprefix}.{pname}"] = Slot(f"{eprefix}.{pname}", ex, pname, scheme, local,
-                                                   dim0_counts(p.shape[0], work.world),
-                                                   _expert_stats(work.stats.get((eprefix, pname))))
+                segs = work.expert_stats.get((eprefix, pname))
+                stats = [whole_rows_stats(st, f"{eprefix}.{pname}") for st in segs] if segs else None
+                slots[f"{eprefix}.{pname}"] = TunedWeight(f"{eprefix}.{pname}", ex, pname, scheme, local,
+                                                   dim0_counts(p.shape[0], work.world), stats)
         work.state["slots"] = slots
         if slots and self.config.iters:
             with unsharded(work.block):
@@ -70,19 +72,3 @@ class SignRoundAlgorithm(Algorithm):
 
     def block_report(self, work: BlockWork) -> dict | None:
         return work.state.get("tuning")
-
-
-def _expert_stats(per_expert):
-    """Each local expert's all-reduced statistics as one dict (None: none needed).  The pipeline keeps
-    them as row segments of ``param[e]`` (``sq.quant.experts.SlotStats``); the schemes SignRound
-    tunes have at most a global scale, whose one segment covers every row."""
-    if not per_expert:
-        return None
-    out = []
-    for st in per_expert:
-        if isinstance(st, (list, tuple)):
-            if len(st) != 1:
-                raise SqError(f"--algo signround expects one statistics segment per expert, got {len(st)}")
-            st = st[0].stats
-        out.append(st)
-    return out

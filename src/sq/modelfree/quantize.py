@@ -1,0 +1,404 @@
+"""Model-free quantization of a planned checkpoint: each unit quantized with round-to-nearest by the model
+path's own functions, row-split Linears reduced and gathered, and the run driven through ``sq.run``
+(``sq.modelfree``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as st_load
+
+from sq.agree import agree, argument_facts, content_hashes
+from sq.dist import uses_nccl
+from sq.errors import SqError
+from sq.export import writer
+from sq.files import CARRIED_NAME, safetensors_bytes, shard_name
+from sq.formats.compressed import compress_weight
+from sq.formats.specs import required_reductions
+from sq.load import fp8, mxfp4
+from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
+from sq.load.source import scan_checkpoint
+from sq.memory import trim_heap
+from sq.modelfree.plan import (
+    EXPERT_KEY,
+    Plan,
+    TensorSlot,
+    Unit,
+    classify,
+    config_groups,
+    dtype_of,
+    row_ranges,
+    split_by_bytes,
+)
+from sq.modelfree.reader import ReadAhead, Reader
+from sq.quant import rtn
+from sq.quant.recipe import make_assigner
+from sq.quant.rtn import rtn_codes
+from sq.report import block_progress
+from sq.resume import source_identity
+from sq.run import Run, raise_all, signature
+
+logger = logging.getLogger(__name__)
+
+READ_AHEAD = 2  # units a rank reads ahead of the one it quantizes (memory: this many more units' tensors)
+
+def _rtn(w: torch.Tensor, scheme, stats, row_offset: int = 0) -> dict:
+    """``rtn_rows``'s codes and scales of rows ``w`` (``rtn_codes``: the same calls), without the
+    dequantized copy the model path writes back into its model and this path never reads (for
+    FP8_BLOCK it is most of the time)."""
+    qp, q = rtn_codes(w, scheme, stats, row_offset)
+    return {"q": q, "scale": qp.scale, "zero_point": qp.zero_point, "global_scale": qp.global_scale}
+
+
+def _compress(parts: dict, scheme, shape) -> dict:
+    return compress_weight((parts["q"], parts["scale"], parts["zero_point"]), scheme, tuple(shape),
+                           global_scale=parts["global_scale"])
+
+
+def _nonfinite_problem(key: str, dense: bool) -> str:
+    return (f"{key} holds NaN or Inf values: its scales would be NaN. Fix the checkpoint"
+            + (", or pass --skip-nonfinite to leave such Linears unquantized" if dense else
+               "; --skip-nonfinite leaves dense Linears only: leave these experts out with --ignore"))
+
+
+def _share_global(slots: list[TensorSlot], stats: list) -> None:
+    """One global scale per fused weight (the model path's rule): slots with the same ``share`` take
+    the max of their ``global_absmax`` (slots left out, e.g. for NaN, have ``None`` stats)."""
+    for share in {s.share for s in slots}:
+        members = [st for s, st in zip(slots, stats) if s.share == share and st and "global_absmax" in st]
+        if len(members) > 1:
+            shared = torch.stack([st["global_absmax"] for st in members]).amax(0)
+            for st in members:
+                st["global_absmax"] = shared.clone()
+
+
+def _quantize_unit(unit: Unit, fetched: list, reader: Reader,
+                   skip_nonfinite: bool) -> tuple[dict, list[str], list[str]]:
+    """The unit's output tensors (from its ``fetch_unit``), the Linears left unquantized for NaN/Inf, and refusals."""
+    if unit.scheme is None:
+        out = {}
+        for s, f in zip(unit.slots, fetched):
+            if s.box is not None:  # a piece of a tensor written whole: into its box
+                shape, offsets, lengths, stack_dim = s.box
+                piece = reader.convert(s.key, f)
+                whole = out.setdefault(s.out_prefix, torch.empty(shape, dtype=piece.dtype))
+                box = whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+                box.copy_(piece.unsqueeze(stack_dim) if stack_dim is not None else piece)
+            elif s.cols is None:
+                out[s.key] = reader.convert(s.key, f)
+            else:  # one expert's [in, out] columns, written as the [out, in] weight transformers loads
+                out[s.out_prefix + "weight"] = reader.convert(s.key, f, expert=True)[:, s.cols[0]:s.cols[1]].T.contiguous()
+        return out, [], []
+    ws = [reader.convert(s.key, f, s.lo, expert=s.e is not None) for s, f in zip(unit.slots, fetched)]
+    del fetched
+    bad = [i for i, w in enumerate(ws) if not rtn.all_finite(w)]
+    out, skipped = {}, []
+    if bad:
+        dense = unit.slots[0].e is None and not EXPERT_KEY.match(unit.slots[0].key)
+        if not (skip_nonfinite and dense):
+            return {}, [], [_nonfinite_problem(unit.slots[i].key, dense) for i in bad]
+        for i in bad:  # left as they are, listed in ignore; their partners share a scale without them
+            out[unit.slots[i].key] = ws[i]
+            skipped.append(unit.slots[i].out_prefix.removesuffix("."))
+        keep = [i for i in range(len(ws)) if i not in bad]
+        unit = Unit(unit.block, [unit.slots[i] for i in keep], unit.scheme, unit.name)
+        ws = [ws[i] for i in keep]
+    stats = [rtn.local_stats(w, unit.scheme) or None for w in ws]
+    _share_global(unit.slots, stats)
+    for s, w, st in zip(unit.slots, ws, stats):
+        for rel, v in _compress(_rtn(w, unit.scheme, st), unit.scheme, w.shape).items():
+            out[s.out_prefix + rel] = v
+    return out, skipped, []
+
+
+def _my_rows(unit: Unit, rank: int, world: int, rows: Callable[[str], int]) -> Unit:
+    """The part of a row-split unit this rank reads: its rows of every slot."""
+    slots = []
+    for s in unit.slots:
+        lo, hi = row_ranges(rows(s.key), unit.scheme, world)[rank]
+        slots.append(TensorSlot(s.key, s.out_prefix, None, lo, hi, s.share))
+    return Unit(unit.block, slots, unit.scheme, unit.name)
+
+
+def _reduced_stats(units: list[Unit], parts: list[Unit], reader: Reader) -> tuple[list[list], list[list[bool]]]:
+    """Every row-split slot's cross-row statistics (NVFP4's global absmax, FP8_BLOCK's block absmax)
+    and whether it holds NaN/Inf, over all ranks' rows: ONE all_reduce (max; a min statistic travels
+    negated) of everything at once.  float64 holds every float32 statistic exactly."""
+    chunks, where = [], []  # where: (unit, slot, stat, op, shape, dtype) per chunk after each flag
+    ahead = ReadAhead(reader, parts)
+    try:
+        for ui, (u, part) in enumerate(zip(units, parts)):
+            for si, (s, f) in enumerate(zip(part.slots, ahead.get())):
+                w = reader.convert(s.key, f, s.lo)
+                chunks.append(torch.tensor([0.0 if rtn.all_finite(w) else 1.0], dtype=torch.float64))
+                for red in required_reductions(u.scheme):
+                    t = red.local(w, row_offset=s.lo, rows=reader.source.tensors[s.key].shape[0])
+                    where.append((ui, si, red.stat, red.op, t.shape, t.dtype))
+                    chunks.append(t.to(torch.float64).flatten() * (-1.0 if red.op == "min" else 1.0))
+                del w
+    finally:
+        ahead.close()
+    flat = torch.cat(chunks)
+    if uses_nccl():
+        flat = flat.cuda()
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    flat = flat.cpu()
+    stats = [[{} for _ in u.slots] for u in units]
+    bad = [[False] * len(u.slots) for u in units]
+    at, w_i = 0, 0
+    for ui, u in enumerate(units):
+        for si in range(len(u.slots)):
+            bad[ui][si] = bool(flat[at] > 0)
+            at += 1
+            while w_i < len(where) and where[w_i][:2] == (ui, si):
+                _, _, stat, op, shape, dtype = where[w_i]
+                n = math.prod(shape)
+                stats[ui][si][stat] = (flat[at:at + n] * (-1.0 if op == "min" else 1.0)).reshape(shape).to(dtype)
+                at, w_i = at + n, w_i + 1
+    return stats, bad
+
+
+def _split_pass(units: list[Unit], owners: list[int], reader: Reader, skip_nonfinite: bool) -> dict[int, tuple]:
+    """Row-split Linears (``split_by_bytes``): every rank reads and quantizes its rows of each, with the
+    statistics that span rows reduced over all ranks, and the unit's owner gathers the codes and
+    scales, compresses the whole tensor and writes it with its layer.  Returns the owner's output,
+    ``{layer: (tensors, Linears left unquantized for NaN/Inf)}``.
+
+    It runs before the first layer, on every rank alike (the same units from the same plan), so its
+    collectives -- one all_reduce, then one gather per unit -- never wait for a rank that has left;
+    the main loop keeps none.  A rank reads its rows twice (statistics, then codes) rather than
+    holding them across the all_reduce: memory stays one unit's rows, plus the owner's compressed
+    outputs until their layers are written.  The codes equal the whole tensor's: each row's scales
+    see the same reduced statistics (``rtn.quantize`` with the row offset), as on the model path's
+    row shards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = lambda key: reader.source.tensors[key].shape[0]  # noqa: E731
+    parts = [_my_rows(u, rank, world, rows) for u in units]
+    stats, bad = _reduced_stats(units, parts, reader)
+    refused = [_nonfinite_problem(s.key, True) for u, b in zip(units, bad) for s, x in zip(u.slots, b) if x]
+    if refused and not skip_nonfinite:
+        raise SqError(refused)  # every rank holds the same reduced flags: all refuse together
+    ready: dict[int, tuple[dict, list]] = {}
+    ahead = ReadAhead(reader, parts)
+    try:
+        for ui, (u, part, owner) in enumerate(zip(units, parts, owners)):
+            st = [None if b else (x or None) for x, b in zip(stats[ui], bad[ui])]
+            _share_global(u.slots, st)
+            mine = {}  # "slot.part" -> this rank's rows of it (codes, row scales; the rows themselves for NaN/Inf)
+            for si, (s, f) in enumerate(zip(part.slots, ahead.get())):
+                if s.hi > s.lo:
+                    w = reader.convert(s.key, f, s.lo)
+                    res = {"w": w} if bad[ui][si] else _rtn(w, u.scheme, st[si], row_offset=s.lo)
+                    mine.update({f"{si}.{k}": v for k, v in res.items() if v is not None})
+            # as safetensors bytes: exact for every dtype (pickled float8 tensors do not load back)
+            got = [None] * world if rank == owner else None
+            dist.gather_object(safetensors_bytes(mine), got, dst=owner)
+            del mine
+            if rank == owner:
+                pieces = [st_load(g) for g in got]
+                tensors, skipped = ready.setdefault(u.block, ({}, []))
+                for si, s in enumerate(u.slots):
+                    by_rank = [{k.partition(".")[2]: v for k, v in p.items() if k.startswith(f"{si}.")} for p in pieces]
+                    tensors.update(_assemble(s, u.scheme, [r for r in by_rank if r],
+                                             reader.source.tensors[s.key].shape, skipped))
+            del got
+    finally:
+        ahead.close()
+    return ready
+
+
+def _assemble(slot: TensorSlot, scheme, pieces: list[dict], shape, skipped: list[str]) -> dict:
+    """One row-split weight's output from every rank's rows, in rank (= row) order."""
+    if "w" in pieces[0]:  # NaN/Inf with --skip-nonfinite: kept as it is, listed in ignore
+        skipped.append(slot.out_prefix.removesuffix("."))
+        return {slot.key: torch.cat([p["w"] for p in pieces])}
+    rows = rtn.scales_follow_rows(scheme)  # else every rank computed the whole scale (2-D blocks)
+    whole = {"q": torch.cat([p["q"] for p in pieces]), "global_scale": pieces[0].get("global_scale")}
+    for k in ("scale", "zero_point"):
+        whole[k] = None if k not in pieces[0] else torch.cat([p[k] for p in pieces]) if rows else pieces[0][k]
+    return {slot.out_prefix + rel: v for rel, v in _compress(whole, scheme, shape).items()}
+
+
+def data_free_problems(cfg, assigner, why: str) -> list[str]:
+    """Refusals of a job model-free quantization cannot run: anything that needs calibration data."""
+    reason = cfg.data_reason(assigner)
+    if reason is None:
+        return []
+    return [f"{why}: model-free quantization reads no calibration data, but {reason} needs it; use --algo rtn with "
+            "a data-free scheme (W4A16, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16, ...), or drop "
+            "--model-free so the model is built"]
+
+
+def wanted(cfg, model_free: bool) -> bool:
+    """Whether ``sq.ptq`` takes the model-free path: on request, or when transformers cannot build
+    the architecture (unknown ``model_type``; remote code not allowed) and the job is data-free.
+    Call on every rank (a hub id is resolved, rank 0 downloading)."""
+    if model_free:
+        return True
+    from sq.load.source import read_config
+    from sq.resolve import resolve_model_dist
+
+    try:
+        src = resolve_model_dist(cfg.model)
+        raw = read_config(src)
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe)
+    except SqError:
+        return False  # the model path names the problem
+    model_type = raw.get("model_type")
+    # an architecture transformers does not know, or code the user did not allow; a config without a
+    # (string) model_type is broken, not new: the model path names it
+    unbuildable = isinstance(model_type, str) and model_type != "" and (
+        bool(model_type_problems(raw, Path(src), trust_remote_code=cfg.trust_remote_code))
+        or (bool(raw.get("auto_map")) and not cfg.trust_remote_code))
+    if unbuildable and cfg.data_reason(assigner) is None and not cfg.problems():
+        logger.info("transformers cannot build %s (model_type %r); quantizing it model-free", src, model_type)
+        return True
+    return False
+
+
+def _prepare(cfg):
+    """Every refusal, identical on every rank, before anything is written: (plan, reader, source, assigner)."""
+    from sq.resolve import resolve_model_dist
+
+    problems = list(cfg.problems())
+    assigner = None
+    try:
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe)
+    except SqError as e:
+        problems += e.problems
+    if assigner is not None:
+        problems += data_free_problems(cfg, assigner, "--model-free")
+    raise_all(problems, "argument checks")
+    src = Path(resolve_model_dist(cfg.model))
+    source = scan_checkpoint(src)
+    problems = list(source.problems)
+    layout = None
+    if not problems:
+        problems += config_problems(source.config, src, trust_remote_code=True)  # no model code runs here
+        problems += tokenizer_problems(src, trust_remote_code=cfg.trust_remote_code)  # copied: the user's word
+        layout, fp8_problems = fp8.detect_fp8(source)
+        problems += fp8_problems
+        if mxfp4.is_mxfp4(source.config):  # read by the model path only: one line, whatever else is wrong
+            problems.append(f"{src / 'config.json'}: the source is MXFP4 (quant_method 'mxfp4': gpt-oss' "
+                            "*_blocks / *_scales experts); model-free quantization does not read it: run without "
+                            "--model-free (the model path dequantizes each rank's experts while reading them)")
+        else:
+            problems += mxfp4.detect_mxfp4(source)[1]  # blocks / scales without an MXFP4 config
+    plan = None
+    if not problems:
+        plan, more = classify(source, assigner, layout.scale_keys if layout is not None else set())
+        problems += more
+        if not plan.assignment:
+            problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
+        # classify asked the assigner about every tensor it may quantize, by checkpoint and model name
+        problems += assigner.unmatched_problems(plan.unquantized, allow=cfg.allow_unmatched)
+    problems += writer.output_path_problems(cfg.output, src)
+    raise_all(problems, "checkpoint checks")
+    return plan, Reader(source, layout, dtype_of(source.config)), source, assigner
+
+
+def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) -> dict:
+    """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
+    writes what) only when there are any, so signatures without splits stay as they were."""
+    hashes = content_hashes(source) if cfg.verify_source == "content" else None
+    return {"mode": "model-free", **signature(
+        source=source_identity(source, hashes), args=cfg.signature_args(calibrated=False),
+        algorithm=cfg.algo.signature(), schemes=assigner.to_dict(), assignment=plan.assignment, world=world,
+        blocks=plan.blocks, **({"row_split": split} if split else {}))}
+
+
+@torch.no_grad()
+def quantize_checkpoint(cfg) -> dict:
+    """``sq.ptq --model-free``: a checkpoint folder in, a compressed-tensors checkpoint out, no model
+    built.  Runs inside an initialized process group; the report on rank 0, ``{}`` elsewhere."""
+    t_start = time.perf_counter()
+    agree(argument_facts(cfg), "arguments")  # before any collective the arguments decide
+    plan, reader, source, assigner = _prepare(cfg)
+    try:
+        return _run(cfg, plan, reader, source, assigner, t_start)
+    finally:
+        reader.close()
+
+
+def _run(cfg, plan: Plan, reader: Reader, source, assigner, t_start: float) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    split_at = os.environ.get("SQ_MODELFREE_SPLIT_BYTES")  # tests only: force row splits of small Linears
+    owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
+    sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
+    run = Run(cfg.output, bookkeeping=cfg.bookkeeping, fault=cfg.fault)
+    if not run.claim(sig, cfg.resume, [], config=source.config):
+        return {"complete": True}
+    n = len(plan.blocks)
+    start = run.restart(n, need_chain=False)
+    split_set = set(split)
+    mine = [u for i, (u, r) in enumerate(zip(plan.units, owner)) if r == rank and i not in split_set]
+    problems: list[str] = []
+    logger.info("model-free: %s -> %s on %d rank(s): %d units, this rank %d (%.1f MB)%s, from layer %d",
+                source.root, run.out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6,
+                f" and its rows of {len(split)} row-split Linear groups "
+                f"({sum(plan.units[i].nbytes for i in split) / world / 1e6:.1f} MB)" if split else "", start)
+    todo_split = [i for i in split if plan.units[i].block >= start]  # the same list on every rank
+    ready = _split_pass([plan.units[i] for i in todo_split], [owner[i] for i in todo_split], reader,
+                        cfg.skip_nonfinite) if todo_split else {}
+    progress = block_progress(n, start, bar=rank == 0)
+    todo = sorted((u for u in mine if u.block >= start), key=lambda u: u.block)
+    ahead = ReadAhead(reader, todo, READ_AHEAD)
+    try:
+        i = 0
+        for b in range(start, n):
+            t_block = time.perf_counter()
+            run.fault_point("stop", b)
+            tensors, bad = ready.pop(b, ({}, []))
+            while i < len(todo) and todo[i].block == b:
+                t, sk, pr = _quantize_unit(todo[i], ahead.get(), reader, cfg.skip_nonfinite)
+                tensors.update(t)
+                bad += sk
+                problems += pr
+                i += 1
+            if problems:
+                break
+            run.write_block(b, tensors, bad)
+            del tensors
+            trim_heap()
+            progress.step(b, time.perf_counter() - t_block)
+        run.files.close()  # every submitted layer recorded; the writer's error, if any, raised here
+    finally:
+        ahead.close()
+        run.files.close(check=False)
+    progress.close()
+    every = [None] * world
+    dist.all_gather_object(every, problems)  # every rank meets here, done or refused
+    problems = [p for ps in every for p in ps]
+    if problems:
+        raise SqError(problems)
+    return _finish(cfg, run, plan, reader, source, start, t_start)
+
+
+def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_start: float) -> dict:
+    """Rank 0: root and carried tensors, config, side files, report, the index last; every rank learns how it went."""
+    out = run.out
+    all_frags, all_skipped, _ = run.gather()
+
+    def final() -> dict:  # rank 0
+        frags = list(all_frags)
+        frags.append(writer.write_tensors(out, shard_name(0, None), {k: reader.weight(k) for k in plan.root}))
+        frags.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False)
+                                                              for k in plan.carried}))
+        skip = sorted({s for ss in all_skipped for s in ss})
+        report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
+                  "assignment": plan.assignment, "world_size": run.world, "ignored_linears": sorted(plan.unquantized),
+                  "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
+                  "seconds": round(time.perf_counter() - t_start, 3)}
+        run.write_final(source.config, config_groups(plan, set(skip)), sorted({*plan.unquantized, *skip}), report,
+                        frags, lambda: writer.copy_side_files(source.root, out))
+        return report
+
+    return run.final(final)
+

@@ -1,0 +1,109 @@
+"""What an algorithm is handed for one decoder block, and what it hands back: typed, so a hook reads
+fields, not keys of a shared bag.
+
+- ``Linear`` / ``ExpertGroup``: the block's quantization targets (decided by ``sq.pipeline.targets``);
+- ``ObservedScales``: static activation and KV cache scales (``sq.quant.activations``), by kind;
+- ``BlockWork``: the block, its targets, this rank's calibration batches, the cross-row statistics
+  its formats need (dense weights and experts apart), and a per-block dict private to the algorithm;
+- ``Solved``: one weight's quantized rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from sq.formats.schemes import QuantScheme
+
+__all__ = ["Linear", "ExpertGroup", "ObservedScales", "BlockWork", "Solved"]
+
+
+@dataclass
+class Linear:
+    """One quantized dense Linear of a block."""
+
+    name: str  # model name of the module, e.g. model.layers.3.self_attn.q_proj
+    module: nn.Linear
+    ckpt_prefix: str  # checkpoint name minus "weight", e.g. model.layers.3.self_attn.q_proj.
+    owner: int  # writer rank
+    scheme: QuantScheme
+
+
+class ExpertGroup(NamedTuple):
+    """One fused experts module of a block (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
+
+    prefix: str  # model name of the module, e.g. model.layers.3.mlp.experts
+    module: nn.Module
+    scheme: QuantScheme
+
+
+@dataclass
+class ObservedScales:
+    """Calibrated activation tensors, each ``{tensor name: tensor}``: by dense Linear name; by
+    ``(experts prefix, expert, "in" | "mid")``; by attention module name (``k_scale`` / ``v_scale``)."""
+
+    linears: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    experts: dict[tuple[str, int, str], dict[str, torch.Tensor]] = field(default_factory=dict)
+    kv: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class Solved:
+    """One weight's quantized rows, as data: ``q``/``scale``/``zero_point`` in the scheme's layout,
+    ``deq`` the dequantized rows (written back into the model: the quantized chain), ``H`` the
+    matrix the error is measured through (None: weight space)."""
+
+    q: torch.Tensor | None  # None where ``writer`` holds the whole weight's codes
+    scale: torch.Tensor | None
+    zero_point: torch.Tensor | None
+    deq: torch.Tensor
+    H: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None  # NVFP4's per-tensor scale (the same on every rank)
+    # A weight solved whole on one rank: that rank (the same on every rank) writes it from ``whole``,
+    # its ``(q, scale, zero_point)`` for every row, which only it holds; the rest of the ranks hold
+    # their ``deq`` rows alone (q and scale None).  None: each rank holds its rows of everything.
+    writer: int | None = None
+    whole: tuple | None = None
+
+
+@dataclass
+class BlockWork:
+    """Everything the pipeline knows about the block being quantized, for the algorithm's hooks.
+
+    ``inputs`` / ``fp_inputs`` are this rank's local batches ``[(hidden, kwargs), ...]`` of the
+    quantized and full-precision chains; ``steps`` is the number of forwards every rank runs
+    (ranks with fewer local batches pad with ``dummy``); ``fp_out`` the full-precision block
+    outputs where the algorithm asked for them; ``state`` is the algorithm's own per-block data.
+    """
+
+    index: int
+    prefix: str
+    block: nn.Module
+    linears: list[Linear]
+    experts: list[ExpertGroup]
+    inputs: list
+    fp_inputs: list
+    steps: int
+    dummy: Any
+    device: torch.device
+    rank: int
+    world: int
+    nsamples: int
+    seed: int
+    calibrate_all_experts: bool
+    # the checkpoint's dtype of the block's weights; the forwards may compute in another
+    # (--calib-dtype: FSDP2 then gathers the weights cast to it)
+    weight_dtype: torch.dtype | None = None
+    fp_out: list | None = None
+    # cross-row statistics (sq.formats.specs reductions), already all-reduced and shared by fused
+    # partners: dense weight name -> {stat: tensor}
+    linear_stats: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # (experts prefix, param) -> per local expert, a list of sq.quant.experts.SlotStats (one per
+    # checkpoint tensor of the fused rows)
+    expert_stats: dict[tuple[str, str], list] = field(default_factory=dict)
+    row_offset: dict[str, int] = field(default_factory=dict)  # dense weight name -> this rank's first row
+    acts: ObservedScales = field(default_factory=ObservedScales)
+    state: dict = field(default_factory=dict)
