@@ -4,7 +4,13 @@
 - no module imports another module's private (``_name``) names;
 - no function or method over ``MAX_FUNCTION_LINES`` lines;
 - only ``sq.testing`` itself imports the test-fixture package ``sq.testing``;
-- the leaf modules import nothing from sq beyond what ``LEAVES`` allows.
+- the leaf modules import nothing from sq beyond what ``LEAVES`` allows;
+- the folders (``sq.quant``, ``sq.formats``, ... and each top-level module) import each other without
+  a cycle, and the layers hold: ``sq.formats`` below everything, ``quant`` never above itself
+  (export, the run, the drivers), ``export`` writes what it is handed (no quant, no formats);
+- no module over ``MAX_MODULE_LINES`` lines outside the maths modules;
+- the run lifecycle lives in ``sq.run`` alone: both drivers go through it, and nothing else writes
+  shards, manifests or the index, or fires a fault point.
 
 An import is an edge to the module it names: ``import a.b`` and ``from a.b import c`` -> ``a.b``,
 or ``a.b.c`` where ``c`` is a submodule.  Running ``a.b`` also runs the package ``a/__init__.py``
@@ -24,6 +30,19 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "sq"
 TESTING = "sq.testing"
 MAX_FUNCTION_LINES = 150
+MAX_MODULE_LINES = 600
+MATHS = {"sq.quant.gptq", "sq.formats.specs", "sq.formats.primitives"}  # dense numerics: allowed to be long
+# folder -> the folders of sq it may never import (``sq.formats``: only these)
+FORBIDDEN = {
+    "sq.quant": {"sq.export", "sq.run", "sq.pipeline", "sq.modelfree", "sq.config", "sq.api", "sq.ptq"},
+    "sq.export": {"sq.quant", "sq.formats", "sq.run", "sq.pipeline", "sq.modelfree"},
+}
+FORMATS_MAY_IMPORT = {"sq.formats", "sq.errors", "sq.dictconfig"}
+DRIVERS = ("sq.pipeline.blocks", "sq.modelfree.quantize")
+# the lifecycle's moving parts: only sq.run (and where they are defined) may name them
+LIFECYCLE_NAMES = {"write_shard", "merge_index", "record_block", "write_chain", "restart_points", "maybe_die",
+                   "RunState", "Fault", "claim_output", "take_lock"}
+LIFECYCLE_HOMES = {"sq.run", "sq.resume", "sq.export.writer"}
 # leaf -> the only modules of sq it may import: anything may import a leaf without a cycle
 LEAVES = {"sq.errors": set(), "sq.version": set(), "sq.files": {"sq.errors"}, "sq.patterns": {"sq.errors"}}
 
@@ -189,3 +208,55 @@ def test_no_undefined_or_unused_names():
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "--quiet",
                            "src", "tests", "bench"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def folder(name: str) -> str:
+    """``sq.quant.gptq`` -> ``sq.quant``; a top-level module is its own folder."""
+    return ".".join(name.split(".")[:2])
+
+
+def test_folders_form_no_cycle_and_keep_their_layers():
+    mods = modules()
+    edges: dict[str, dict[str, str]] = {}
+    for m in mods.values():
+        for dep, line in m.imports.items():
+            a, b = folder(m.name), folder(dep)
+            if a != b:
+                edges.setdefault(a, {}).setdefault(b, f"{m.path.relative_to(SRC)}:{line} imports {dep}")
+    graph = {name: Module(name, Path(name), False, ast.Module(body=[], type_ignores=[]), dict.fromkeys(deps, 0))
+             for name, deps in edges.items()}
+    for deps in edges.values():
+        for d in deps:
+            graph.setdefault(d, Module(d, Path(d), False, ast.Module(body=[], type_ignores=[])))
+    cycle = _find_cycle(graph)
+    assert cycle is None, "folder cycle: " + " -> ".join(cycle) + "\n  " + "\n  ".join(
+        edges[a][b] for a, b in zip(cycle, cycle[1:]))
+    bad = [why for a, forbidden in FORBIDDEN.items() for b, why in edges.get(a, {}).items() if b in forbidden]
+    bad += [why for b, why in edges.get("sq.formats", {}).items() if b not in FORMATS_MAY_IMPORT]
+    assert not bad, "layer broken:\n  " + "\n  ".join(bad)
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = [f"{m.path.relative_to(SRC)}: {n} lines" for m in modules().values()
+            if m.name not in MATHS and (n := len(m.path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by what they do):\n  " + "\n  ".join(long)
+
+
+def test_the_run_lifecycle_has_one_home():
+    """Both drivers run through ``sq.run.Run``; shards, manifests, the index, the lock and fault points are
+    named nowhere else, so a fault point (or a resume rule) cannot behave differently in one of them."""
+    mods = modules()
+    for d in DRIVERS:
+        assert "sq.run" in mods[d].imports, f"{d} does not drive its run through sq.run"
+    bad = []
+    for m in mods.values():
+        if m.name in LIFECYCLE_HOMES:
+            continue
+        for node in ast.walk(m.tree):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if isinstance(node, ast.alias):
+                name = node.name
+            if name in LIFECYCLE_NAMES:
+                bad.append(f"{m.path.relative_to(SRC)}:{getattr(node, 'lineno', '?')} {name}")
+    assert not bad, "the run lifecycle used outside sq.run:\n  " + "\n  ".join(bad)
+

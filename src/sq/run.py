@@ -12,6 +12,7 @@ fires, so a kill at any point leaves the same resumable state whichever driver r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,8 +26,9 @@ from sq.agree import agree, job_facts
 from sq.dist import all_ok, broadcast_object, rank0_stage
 from sq.errors import SqError
 from sq.export import writer
-from sq.files import REPORT_NAME, RUN_DIR, shard_name, written_by_sq
+from sq.files import LOG_DIR, REPORT_NAME, RUN_DIR, shard_name, written_by_sq
 from sq.formats.compressed import quantization_config
+from sq.report import add_log_file, remove_log_file
 from sq.resume import (
     Fault,
     RunState,
@@ -206,6 +208,15 @@ class Run:
             logger.info("%s is already complete (same model and settings); nothing to do", self.out)
             return False
         return True
+
+    @contextlib.contextmanager
+    def log_file(self):
+        """This rank's log appended to ``OUT/sq_logs/rank-RRRRR.log`` while the claimed run goes on."""
+        handler = add_log_file(self.out / LOG_DIR / f"rank-{self.rank:05d}.log")
+        try:
+            yield
+        finally:
+            remove_log_file(handler)
 
     def restart(self, n_blocks: int, need_chain: bool) -> int:
         """The largest block every rank can restart from; the manifests' blocks before it kept, their

@@ -167,6 +167,13 @@ class QuantScheme(DictConfig):
     def format(self) -> str:
         return format_name(self)
 
+    @property
+    def row_local(self) -> bool:
+        """Each row's scales come from that row alone, up to one global scale shared across rows
+        (NVFP4): what an algorithm that changes a weight row by row and column by column (GPTQ's
+        sweep, AWQ's search) can quantize.  False for per-tensor and 2-D block scales."""
+        return all(r.stat == "global_absmax" for r in specs.required_reductions(self))
+
     def num_groups(self, in_features: int) -> int:
         """Scale columns for a weight with ``in_features`` columns."""
         return scale_shape(specs.spec_for(self).granularity, (1, in_features))[-1]

@@ -328,13 +328,21 @@ def quantize_checkpoint(cfg) -> dict:
 
 
 def _run(cfg, plan: Plan, reader: Reader, source, assigner, t_start: float) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     split_at = os.environ.get("SQ_MODELFREE_SPLIT_BYTES")  # tests only: force row splits of small Linears
     owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
     sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
     run = Run(cfg.output, bookkeeping=cfg.bookkeeping, fault=cfg.fault)
     if not run.claim(sig, cfg.resume, [], config=source.config):
         return {"complete": True}
+    with run.log_file():
+        return _run_layers(cfg, run, plan, reader, source, owner, split, t_start)
+
+
+def _run_layers(cfg, run: Run, plan: Plan, reader: Reader, source, owner: list[int], split: list[int],
+                t_start: float) -> dict:
+    """Restart point, the row-split pass, this rank's units layer by layer, the final stage."""
+    rank, world = run.rank, run.world
     n = len(plan.blocks)
     start = run.restart(n, need_chain=False)
     split_set = set(split)

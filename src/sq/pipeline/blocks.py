@@ -42,7 +42,7 @@ from sq.anatomy import (
 from sq.dist import rank_device
 from sq.errors import SqError
 from sq.export import writer
-from sq.files import LOG_DIR, REPORT_PNG, sha256_bytes, shard_name
+from sq.files import REPORT_PNG, sha256_bytes, shard_name
 from sq.formats import specs
 from sq.formats.compressed import compress_weight
 from sq.load.fill import local_box
@@ -66,9 +66,7 @@ from sq.quant.experts import (
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import (
-    add_log_file,
     block_progress,
-    remove_log_file,
     summary_lines,
     write_report_png,
 )
@@ -486,7 +484,12 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
     p = _Pipeline(cfg, model, weights, assigner, data, windows, parallelize, t_start)
     if not p.claim():
         return {"complete": True}
-    log_file = add_log_file(p.out / LOG_DIR / f"rank-{p.rank:05d}.log")
+    with p.run.log_file():
+        return _run_blocks(p, model, weights, parallelize)
+
+
+def _run_blocks(p: _Pipeline, model: nn.Module, weights, parallelize) -> dict:
+    """Restart point, calibration inputs, every block left, the final stage."""
     n_blocks = len(p.targets.blocks)
     logger.info("quantizing %s -> %s on %d rank(s): %d Linears, %d expert groups", weights.describe(), p.out,
                 p.world, sum(len(ls) for ls in p.targets.linears), sum(len(es) for es in p.targets.experts))
@@ -507,10 +510,7 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
     finally:  # the last block's files (a failure there raises here)
         p.run.files.close()
     p.progress.close()
-    try:
-        return p.finish(start)
-    finally:
-        remove_log_file(log_file)
+    return p.finish(start)
 
 
 def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, acts=None) -> dict[str, torch.Tensor]:

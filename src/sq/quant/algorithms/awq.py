@@ -54,13 +54,8 @@ from sq.quant.forward import block_forward
 from sq.quant.gptq import GPTQConfig
 from sq.quant.recipe import scheme_tag
 
-# scales of a row from that row alone, or under one global scale (NVFP4: recomputed after the fold)
-SEARCHABLE = ("group", "channel", "tensor_group")
 MAX_CLIP_GROUP = 256
 
-
-def _global_only(scheme) -> bool:
-    return all(r.stat == "global_absmax" for r in specs.required_reductions(scheme))
 
 
 def _qdq(names: list[str], schemes: list, ws: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -271,7 +266,7 @@ class AWQAlgorithm(Algorithm):
                 for b in m.balance:
                     mod = b.partition(":")[0]
                     s = assigner.assign(f"{prefix}.{mod}") if (mod in ex_names or ":" not in b) else None
-                    if s is not None and (s.strategy not in SEARCHABLE or not _global_only(s)):
+                    if s is not None and not s.row_local:  # scales of a row from that row (NVFP4: global scale recomputed after the fold)
                         bad.add(f"{s.name} ({scheme_tag(s)})")
         problems += [f"--algo awq searches per-channel and per-group schemes (integer, FP8 per channel, NVFP4, "
                      f"MXFP4); scheme {b} has per-tensor or 2-D block scales, which it does not support (use "

@@ -26,7 +26,6 @@ from sq.quant.recipe import scheme_tag
 EXPERT_STACK_ELEMS = 1 << 24
 # scheme strategies GPTQ solves: a row's scales depend on that row alone (NVFP4's global scale
 # is the all-reduced statistic the pipeline's reduce stage hands over)
-SOLVABLE = ("group", "channel", "tensor_group")
 
 
 class Counting:
@@ -81,7 +80,7 @@ class GPTQAlgorithm(Algorithm):
             for n, m in block.named_modules():
                 if isinstance(m, torch.nn.Linear) or is_experts_module(m):
                     s = assigner.assign(f"{prefix}.{n}")
-                    if s is not None and s.strategy not in SOLVABLE:
+                    if s is not None and not s.row_local:
                         bad.add((s.name, scheme_tag(s), s.strategy))
         return [f"--algo gptq solves per-channel and per-group schemes (integer, FP8 per channel, NVFP4, MXFP4, "
                 f"MXFP8); scheme {n} ({t}) has {'per-tensor' if st == 'tensor' else '2-D block'} scales, which "
