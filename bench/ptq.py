@@ -49,7 +49,7 @@ QUANT = ["--scheme", "W4A16", "--group-size", "64", "--nsamples", "128", "--seql
 EVAL = ["--nwindows", "40", "--seqlen", "512"]
 RUNS = ("rtn_w2", "gptq_w2", "gptq_w1", "eval_fp", "eval_rtn_w2", "eval_gptq_w2", "eval_gptq_w1")
 # opt-in: GPTQ in natural column order (--actorder off; the driver's default before c1c0d7c);
-# SignRound (issue 8) at 4 and 3 bits with RTN / GPTQ at 3 bits beside it (same calibration and evaluation)
+# SignRound at 4 and 3 bits with RTN / GPTQ at 3 bits beside it (same calibration and evaluation)
 SIGNROUND = ("sr4_w2", "rtn3_w2", "gptq3_w2", "sr3_w2", "eval_sr4_w2", "eval_rtn3_w2", "eval_gptq3_w2", "eval_sr3_w2")
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND)
 VARIANTS = {  # run prefix -> (algo, extra arguments)

@@ -128,12 +128,12 @@ class PTQConfig:
         """The dtype the calibration forwards compute in (None: the model's own).
 
         ``auto``: float32 on a CPU without bfloat16 matrix units, where bfloat16 matmuls run at about
-        half float32's speed (a SmolLM2 block forward 5.2 s in bf16, 2.7 s in fp32 on the 2-core AMD
-        EPYC of docs/benchmarks.md); the model's dtype on GPU and on a CPU with AMX (``amx_bf16``:
-        a 4096 x 576 x 1536 linear on one thread of a Sapphire Rapids Xeon took 5 ms in bf16, 51 ms
-        in float32).  The weights stay in the checkpoint's dtype (FSDP2 casts the gathered copies:
-        ``sq.parallel.fsdp.apply_parallel``); every quantized value is computed from them exactly as
-        before, only the activations are more precise.
+        half float32's speed (a SmolLM2 block forward: 5.2 s in bf16, 2.7 s in float32 on a 2-core AMD
+        EPYC); the model's dtype on GPU and on a CPU with AMX (``amx_bf16``: a 4096 x 576 x 1536 linear
+        on one thread of a Xeon with AMX: 5 ms in bf16, 51 ms in float32; docs/benchmarks.md,
+        "Calibration dtype").  The weights stay in the checkpoint's dtype (FSDP2 casts the gathered
+        copies: ``sq.parallel.fsdp.apply_parallel``); every quantized value is computed from them as
+        with forwards in their dtype, only the activations are more precise.
 
         Collective for ``auto`` on CPU (every rank must have AMX: one all-reduce), so the pipeline
         resolves it once, on every rank, and hands the result to ``parallelize``.

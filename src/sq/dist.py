@@ -81,8 +81,8 @@ def init_distributed(
         local_rank = env_from_torchrun(environ)[2]
     else:
         rank, world, local_rank = env_from_torchrun(environ)
-        # on CUDA, gloo beside NCCL: the CPU tensors of sq's small collectives (report terms, flags)
-        # need a backend too (NCCL alone refused them on the first GPU run, torch 2.11)
+        # on CUDA, gloo beside NCCL: NCCL refuses collectives on CPU tensors, which sq's small
+        # collectives (report terms, flags) use
         backend = backend or ("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
         if world == 1 and "MASTER_ADDR" not in (os.environ if environ is None else environ):

@@ -71,16 +71,16 @@ def tune_heap(mmap_threshold: int = HEAP_MMAP_THRESHOLD, trim_threshold: int = H
     ``trim_threshold`` is free at its top; :func:`trim_heap` after each block returns the rest, so
     the private RSS stays flat in depth.  No-op (False) where glibc's ``mallopt`` is unavailable.
 
-    Why not map everything above 64 KiB (sq before 2026-12-03): every freed activation or
-    gradient then went back to the OS and the next step faulted its pages in again -- SignRound on
-    2 ranks spent 41 of 136 CPU-seconds in the kernel (6 s with these values) and ran 1.5x slower;
-    the calibration forwards of every algorithm paid the same per batch.  Why not glibc's dynamic
+    Why not map everything above 64 KiB: every freed activation or gradient then goes back to the
+    OS and the next step faults its pages in again -- SignRound on 2 ranks spends 41 of 136
+    CPU-seconds in the kernel that way (6 s with these values) and runs 1.5x slower; the
+    calibration forwards of every algorithm pay the same per batch.  Why not glibc's dynamic
     threshold: it only ever rises, so 2-32 MiB buffers fragment a heap that never shrinks by
     itself (~40 MiB per GPTQ block at hidden 1024, tests/test_ptq_memory.py), which the per-block
-    trim now undoes.  The price: freed buffers wait on the heap for the next step, so a SignRound
-    rank's peak RSS on SmolLM2 rose 0.75 -> 1.24 GB (flat across blocks).  A user who sets glibc's
+    trim undoes.  The price: freed buffers wait on the heap for the next step, so a SignRound
+    rank's peak RSS on SmolLM2 is 1.24 GB instead of 0.75 GB (flat across blocks).  A user who sets glibc's
     own ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` keeps that policy (False here);
-    ``MALLOC_MMAP_THRESHOLD_=65536`` restores sq's earlier, leaner and slower one.
+    ``MALLOC_MMAP_THRESHOLD_=65536`` selects the leaner, slower policy.
     """
     import os
 

@@ -171,7 +171,7 @@ class RunState:
         Same host: an exclusive ``flock`` on ``.sq-run/lock``, held open until the process ends (the
         kernel drops it when the process dies, so a killed run never leaves a live lock).  Across
         hosts (a shared filesystem whose locks may not reach other nodes): the pid/host record
-        written into the file, as before; a requeued Slurm job takes over its own lock.
+        written into the file; a requeued Slurm job takes over its own lock.
         """
         import fcntl
 

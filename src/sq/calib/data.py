@@ -350,7 +350,7 @@ def tokenize_corpus(tokenizer, text: str, need: int | None = None) -> torch.Tens
     near its cut (a word cut in two), so the prefix is taken with a margin of tokens beyond
     ``need`` and the first ``need`` tokens are accepted only when a half-longer prefix gives the
     same ones; otherwise the prefix doubles, up to the whole text.  Where the prefix would be
-    more than half the text, the whole text is tokenized, as before (the standard benchmark's
+    more than half the text, the whole text is tokenized (as for the standard benchmark's
     128 x 512 tokens of ``builtin:pydoc``).  A corpus shorter than ``need`` tokens is always
     tokenized whole, so its refusal names its true length.
     """

@@ -360,7 +360,7 @@ def round_to_e2m1(x: Tensor) -> Tensor:
     # e2m1 is uniform within each binade -- steps of 0.5 below 2, 1 below 4, 2 up to 6 -- and in each
     # range the even multiple of the step is the even code, so round-half-to-even of |x| / step is
     # the library's rounding, ties included (checked against counting midpoints on every bf16 and
-    # fp16 value; 20x cheaper on CPU than counting, which was most of NVFP4's model-free time)
+    # fp16 value; 20x cheaper on CPU than counting, which would be most of NVFP4's model-free time)
     values = torch.where(a < 2, torch.round(a * 2) * 0.5,
                          torch.where(a < 4, torch.round(a), torch.round(a * 0.5).mul_(2).clamp_(max=6)))
     values = values.nan_to_num_(0.0).to(x.dtype)  # NaN: code 0, as counting gave

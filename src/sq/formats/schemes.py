@@ -74,8 +74,8 @@ _TYPES = ("int", "float")
 _STRATEGIES = ("group", "channel", "tensor", "block", "tensor_group")
 _GROUPED = ("group", "tensor_group")
 _SCALE_DTYPES = tuple(k for k in specs.SCALE_DTYPES if k is not None)
-# fields added after the first release: left out of ``to_dict`` while None, so the resume
-# signature of every scheme that does not use them stays what it was
+# optional fields: left out of ``to_dict`` while None, so a scheme that does not use them keeps the
+# resume signature it has without them
 _OPTIONAL = ("block_structure", "scale_dtype")
 _ACTIVATIONS = tuple(specs.ACTIVATIONS)
 
@@ -224,9 +224,9 @@ def _serving_presets(group_size: int) -> dict[str, QuantScheme]:
 
 
 SCHEME_NAMES: tuple[str, ...] = tuple(_presets(128))
-"""The first presets: weight-only int and FP8_DYNAMIC, row-independent, for every algorithm."""
+"""The base presets: weight-only int and FP8_DYNAMIC, row-independent, for every algorithm."""
 SERVING_SCHEME_NAMES: tuple[str, ...] = tuple(_serving_presets(128))
-"""compressed-tensors' serving presets of issue 17 (FP8 block / static, NVFP4, MX, W8A8, W4A8)."""
+"""compressed-tensors' serving presets beyond the base ones (FP8 block / static, NVFP4, MX, W8A8, W4A8)."""
 PRESET_NAMES: tuple[str, ...] = SCHEME_NAMES + SERVING_SCHEME_NAMES
 """Every preset ``get_scheme`` (``--scheme``, recipes, ``sq.quantize``) accepts."""
 _GROUP_PRESETS = ("W4A16", "W4A16_ASYM", "W3A16", "W2A16", "W8A16", "W4A8", "W4AFP8")

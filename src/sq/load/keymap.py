@@ -405,8 +405,8 @@ def _check_pieces(km: KeyMap, targets: dict[str, tuple[int, ...]], tensors: dict
                     f"shape mismatch: checkpoint {p.ckpt_key!r} is {list(src)} ({tensors[p.ckpt_key].file}) but "
                     f"model {t!r} is {list(shape)}")
         # overlaps: a sweep along dim 0 compares each box only with the boxes still open there (for
-        # stacked experts the 2-3 pieces of one expert), O(n log n) where all pairs were O(n^2): 9.6 s
-        # -> 0.1 s of planning for 50 layers x 256 experts (docs/benchmarks.md, Scale)
+        # stacked experts the 2-3 pieces of one expert), O(n log n) instead of all pairs' O(n^2): 0.1 s of
+        # planning for 50 layers x 256 experts (docs/benchmarks.md, "Scale")
         if len(ps) < 2:  # one box overlaps nothing (and a 0-dim tensor has no dim 0 to sweep along)
             continue
         boxes = sorted(ps, key=lambda p: p.offsets)

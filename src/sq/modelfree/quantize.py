@@ -306,7 +306,7 @@ def _prepare(cfg):
 
 def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) -> dict:
     """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
-    writes what) only when there are any, so signatures without splits stay as they were."""
+    writes what) only when there are any, so a run without splits has the signature it has without them."""
     hashes = content_hashes(source) if cfg.verify_source == "content" else None
     return {"mode": "model-free", **signature(
         source=source_identity(source, hashes), args=cfg.signature_args(calibrated=False),

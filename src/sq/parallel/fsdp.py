@@ -85,7 +85,7 @@ def main_dtype(module: nn.Module, ignored=()) -> torch.dtype | None:
 def fsdp_param_groups(mod: nn.Module) -> list:
     """An FSDP2 module's parameter groups (no public getter): torch 2.13 keeps a list
     (``_fsdp_param_groups``), torch 2.11 one group or None (``_fsdp_param_group``, which 2.13 keeps
-    too) -- found on the GPU machine's torch 2.11, where the list's absence broke every load."""
+    too); this reads either, so sq loads under both."""
     state = mod._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:

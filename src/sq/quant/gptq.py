@@ -10,7 +10,7 @@ Hinv[i, j:] / Hinv[i, i]``).  Rows never mix, so given the full ``in x in`` Hess
 (summed over every rank's tokens) a rank can solve its own rows alone.  Scales are
 per row too (groups run along ``in``).  (The pipeline uses this to stack Linears that share a
 Hessian and experts that share one, and to solve a stack on any one rank; a solve's cost is
-mostly per column, not per row, so it no longer splits one weight's rows over ranks.)
+mostly per column, not per row, so it does not split one weight's rows over ranks.)
 
 Numerics: the Hessian is accumulated in float64 -- per calibration sample ``x^T x`` in float32
 (its upper block triangle, mirrored; bf16 inputs as bf16 operands with float32 sums), summed in
@@ -94,7 +94,7 @@ def _bf16_operands(on: bool):
     """Float32 CPU matmuls computed by oneDNN from bf16 operands with float32 accumulation and a float32
     result ("bf32"), for operands whose values are bf16 already: rounding them to bf16 is exact, so the
     product is the float32 one up to summation order, 2.0-2.4x faster with AMX (one thread, 16 x 512
-    tokens: 0.186 -> 0.079 s at 1536 wide, 0.029 -> 0.015 s at 576).  A process-wide torch setting,
+    tokens: 0.079 s against 0.186 s at 1536 wide, 0.015 s against 0.029 s at 576).  A process-wide torch setting,
     restored on exit; off where the CPU or torch lacks it."""
     if not (on and _cpu_bf32()):
         yield
@@ -242,11 +242,11 @@ class GPTQ:
         if x.dim() >= 3:
             # [samples, tokens, in]: each sample's x^T x in float32 (2-5x faster than float64 on CPU),
             # summed in float64.  A sample's product does not depend on which rank or batch holds it,
-            # so the sum over ranks is the single-process sum up to float64 rounding, as before.
+            # so the sum over ranks is the single-process sum up to float64 rounding.
             # Inputs in bf16 (the forwards' dtype on a CPU with AMX) multiply as bf16 operands with
-            # float32 sums and results (_bf16_operands: exact, 2x faster).  (bf16 *results* were
-            # tried and dropped: rounding each sample's x^T x to bf16 left some Hessians indefinite;
-            # SmolLM2's layer 0 and 15 o_proj needed 10x the dampening.)  x^T x is symmetric: only
+            # float32 sums and results (_bf16_operands: exact, 2x faster).  (Not bf16 *results*:
+            # rounding each sample's x^T x to bf16 leaves some Hessians indefinite; SmolLM2's layer 0 and
+            # 15 o_proj need 10x the dampening then.)  x^T x is symmetric: only
             # its upper block triangle is computed, in row bands of _SYM_BAND (an entry is the same
             # float32 dot product over the sample's tokens either way); the lower triangle is
             # mirrored from it when H is next read.

@@ -143,8 +143,8 @@ def fake_quantize(w: Tensor, scheme: QuantScheme, *, stats: Mapping[str, Tensor]
 
 def all_finite(w: torch.Tensor) -> bool:
     """Whether ``w`` holds no NaN or Inf: ``aminmax`` propagates NaN and shows an infinity, in one
-    vectorized pass (``isfinite(w).all()`` on a bf16 CPU tensor costs ~50x more: it was a third of
-    a model-free rank's time)."""
+    vectorized pass (``isfinite(w).all()`` on a bf16 CPU tensor costs ~50x more, a third of a
+    model-free rank's time)."""
     if w.numel() == 0:
         return True
     if w.element_size() == 1:  # float8 kinds: aminmax has no CPU kernel for them
