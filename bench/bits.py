@@ -57,12 +57,18 @@ def cases() -> dict[str, tuple[str, int, list[str]]]:
     out["moe/modelfree/NVFP4A16"] = ("moe", 1, ["--algo", "rtn", "--scheme", "NVFP4A16", *GROUP, "--model-free"])
     out["moe/modelfree-2ranks/W4A16"] = ("moe", 2, ["--algo", "rtn", *GROUP, "--model-free"])
     out["dsv3fp8/gptq/W4A16"] = ("dsv3fp8", 1, ["--algo", "gptq", *GROUP, *CALIB])
+    for algo in ("gptq", "awq", "signround"):  # a bf16 model, forwards pinned to float32 (auto is measured)
+        extra = ["--iters", "3", "--batch-size", "2"] if algo == "signround" else []
+        out[f"llama-bf16/{algo}-f32/W4A16"] = ("llama-bf16", 2, ["--algo", algo, "--calib-dtype", "float32", *extra,
+                                                                 *GROUP, *CALIB])
+    out["llama-bf16/gptq-model/W4A16"] = ("llama-bf16", 2, ["--algo", "gptq", "--calib-dtype", "model", *GROUP, *CALIB])
     out["dsv3fp8/modelfree/FP8_BLOCK"] = ("dsv3fp8", 1, ["--algo", "rtn", "--scheme", "FP8_BLOCK", "--model-free"])
     return out
 
 
 def fixtures(src: Path) -> dict[str, Path]:
-    paths = {"llama": FIXTURES / "llama", "moe": FIXTURES / "moe", "dsv3fp8": FIXTURES / "dsv3fp8"}
+    paths = {"llama": FIXTURES / "llama", "moe": FIXTURES / "moe", "dsv3fp8": FIXTURES / "dsv3fp8",
+             "llama-bf16": FIXTURES / "llama-bf16"}
     if all(p.exists() for p in paths.values()):
         return paths
     code = (
@@ -70,6 +76,7 @@ def fixtures(src: Path) -> dict[str, Path]:
         "d = Path(sys.argv[1]); c.build_llama(d / 'llama', hidden_size=64, intermediate_size=128)\n"
         "c.build_qwen3_moe(d / 'moe')\n"
         "c.build_deepseek_v3_fp8(d / 'dsv3fp8')\n"
+        "c.build_llama(d / 'llama-bf16', hidden_size=64, intermediate_size=128, dtype=torch.bfloat16)\n"
     )
     subprocess.run([sys.executable, "-c", code, str(FIXTURES)], check=True, env=_env(src))
     return paths
