@@ -16,6 +16,7 @@ where the cast is a no-op):
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -75,15 +76,63 @@ def test_algorithms_in_float32_over_bf16_weights(bf16, tmp_path, algo, scheme, e
 
 
 def test_calib_dtype_is_in_the_resume_signature(bf16, tmp_path):
+    """float32 finished the folder: ``auto`` takes the choice recorded there (complete, nothing to do),
+    ``model`` computes otherwise and is refused by name."""
     base = dict(model=str(bf16["llama"]), output=str(tmp_path / "o"), scheme="W4A16", algo="gptq", **JOB)
     res = run_ranks(quantize_jobs, 1, [dict(calib_dtype="float32", **base), dict(calib_dtype="auto", **base),
                                        dict(calib_dtype="model", **base)], timeout=300)[0]
-    from sq.config import cpu_has_bf16_matrix_units
+    assert res[:2] == [None, None], res
+    assert "finished sq checkpoint made with different settings" in res[2] and "calib_dtype" in res[2], res
 
-    # auto is float32 on a CPU without bf16 matrix units (the job float32 finished, already
-    # complete), the model's dtype on one with them (AMX: refused like "model")
-    assert res[0] is None, res
-    refused = res[1:] if cpu_has_bf16_matrix_units() else res[2:]
-    assert res[1] is None or cpu_has_bf16_matrix_units(), res
-    for r in refused:
-        assert "finished sq checkpoint made with different settings" in r and "calib_dtype" in r, res
+
+def test_probe_flags_and_cache(tmp_path, monkeypatch):
+    """The probe's rules: a flag wins, a recorded choice next, GPU and float32 models keep their dtype;
+    otherwise both dtypes are timed on the job's shapes, kept in the cache, and the half dtype is taken
+    only when it is MARGIN faster."""
+    from sq import probe
+
+    monkeypatch.setenv("SQ_CACHE_DIR", str(tmp_path))
+    cpu, shapes = torch.device("cpu"), [(64, 128), (128, 64)]
+    assert probe.calib_dtype_choice("float32", shapes, torch.bfloat16, cpu).dtype == torch.float32
+    assert probe.calib_dtype_choice("model", shapes, torch.bfloat16, cpu).dtype is None
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu, recorded="float32").why == "recorded"
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, torch.device("cuda")).why == "gpu"
+    assert probe.calib_dtype_choice("auto", shapes, torch.float32, cpu).why == "float32 model"
+    first = probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu)
+    assert first.why == "probe" and set(first.seconds) == {"bfloat16", "float32"}
+    assert all(v > 0 for v in first.seconds.values())
+    assert (first.dtype is None) == (first.seconds["bfloat16"] * probe.MARGIN < first.seconds["float32"])
+    [cached] = (tmp_path / "probes").glob("*.json")
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).seconds == first.seconds  # from the cache
+    cached.write_text(json.dumps({"torch.bfloat16": 1.0, "torch.float32": 2.0}))
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).dtype is None
+    cached.write_text(json.dumps({"torch.bfloat16": 1.0, "torch.float32": 1.05}))  # within the margin: float32
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).dtype == torch.float32
+
+
+def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
+    """``auto`` on a bf16 model: the probe's times and choice in the report and the signature, the same
+    on both ranks; killed and resumed after the machine's cached times were changed to favour the other
+    dtype, the rerun computes as the run it continues (``recorded``) and ends bit-identical to an
+    uninterrupted run with that dtype pinned."""
+    from harness import run_cli
+
+    cache, out, pinned = tmp_path / "cache", tmp_path / "o", tmp_path / "pinned"
+    args = ["sq.ptq", "--model", str(bf16["llama"]), "--output", str(out), "--algo", "gptq", "--group-size", str(GS),
+            "--nsamples", "8", "--seqlen", "32", "--timeout", "60"]
+    res = run_cli(args, 2, timeout=300, env={"SQ_CACHE_DIR": str(cache), "SQ_FAULT": "after-shard-write:0:1"})
+    assert res.returncode != 0 and "--calib-dtype auto:" in res.output, res.output[-3000:]
+    chose_bf16 = re.search(r"--calib-dtype auto: (\w+)", res.output)[1] == "bfloat16"
+    [cached] = (cache / "probes").glob("*.json")
+    flipped = {"torch.bfloat16": 1.0, "torch.float32": 0.5} if chose_bf16 else {"torch.bfloat16": 0.5,
+                                                                               "torch.float32": 1.0}
+    cached.write_text(json.dumps(flipped))
+    res = run_cli(args, 2, timeout=300, env={"SQ_CACHE_DIR": str(cache)})
+    assert res.returncode == 0 and "resuming at block 1" in res.output, res.output[-3000:]
+    report = json.loads((out / "sq_report.json").read_text())
+    want = "model" if chose_bf16 else "float32"
+    assert report["speed"]["why"] == "recorded" and report["speed"]["calib_dtype"] == want
+    assert report["run_signature"]["args"]["calib_dtype"] == want
+    job = dict(model=str(bf16["llama"]), output=str(pinned), scheme="W4A16", algo="gptq", calib_dtype=want, **JOB)
+    assert run_ranks(quantize_jobs, 2, [job], timeout=300)[0] == [None]
+    assert _same_bits(out, pinned) == []

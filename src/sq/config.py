@@ -5,13 +5,10 @@ become, with their refusals, what goes into the report (``to_dict``) and into th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
-from sq.dist import all_reduce_min_int
 from sq.errors import SqError
 from sq.patterns import check_patterns
 from sq.quant.activations import KV_CACHE_SCHEMES, observes_activations
@@ -20,17 +17,6 @@ from sq.quant.gptq import GPTQConfig
 from sq.quant.recipe import ignore_label, make_assigner
 
 __all__ = ["PTQConfig", "CALIBRATION_FIELDS", "CALIB_DTYPES"]
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_bf16_matrix_units() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX, ``amx_bf16`` in
-    /proc/cpuinfo's flags), so that bf16 forwards are faster than float32 ones, not slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
 
 
 # job settings read only by algorithms that run calibration data (not in an RTN run's signature)
@@ -60,7 +46,7 @@ class PTQConfig:
     ep: int | None = None  # None: auto (sq.pipeline.job.auto_ep), resolved before the pipeline runs
     resume: str = "auto"  # auto | never | require
     kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
-    calib_dtype: str = "auto"  # auto | float32 | model: what calibration forwards compute in (compute_dtype)
+    calib_dtype: str = "auto"  # auto | float32 | model: what calibration forwards compute in (sq.probe)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     verify_source: str = "stat"  # stat | content: how the resume signature and the ranks identify source shards
     allow_unmatched: bool = False  # --ignore patterns / recipe rules matching no module: warned about, not refused
@@ -123,25 +109,6 @@ class PTQConfig:
     def observes(self, assigner) -> bool:
         """Whether the job writes calibrated activation or KV cache scales (an observed forward per block)."""
         return self.kv_cache != "none" or observes_activations(assigner)
-
-    def compute_dtype(self, device_type: str) -> torch.dtype | None:
-        """The dtype the calibration forwards compute in (None: the model's own).
-
-        ``auto``: float32 on a CPU without bfloat16 matrix units, where bfloat16 matmuls run at about
-        half float32's speed (a SmolLM2 block forward: 5.2 s in bf16, 2.7 s in float32 on a 2-core AMD
-        EPYC); the model's dtype on GPU and on a CPU with AMX (``amx_bf16``: a 4096 x 576 x 1536 linear
-        on one thread of a Xeon with AMX: 5 ms in bf16, 51 ms in float32; docs/benchmarks.md,
-        "Calibration dtype").  The weights stay in the checkpoint's dtype (FSDP2 casts the gathered
-        copies: ``sq.parallel.fsdp.apply_parallel``); every quantized value is computed from them as
-        with forwards in their dtype, only the activations are more precise.
-
-        Collective for ``auto`` on CPU (every rank must have AMX: one all-reduce), so the pipeline
-        resolves it once, on every rank, and hands the result to ``parallelize``.
-        """
-        if self.calib_dtype == "float32" or (self.calib_dtype == "auto" and device_type == "cpu"
-                                              and not all_reduce_min_int(int(cpu_has_bf16_matrix_units()))):
-            return torch.float32
-        return None
 
     def needs_data(self, assigner) -> bool:
         return self.data_reason(assigner) is not None

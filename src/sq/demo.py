@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from sq.errors import SqError
-from sq.files import fsync_dir
+from sq.files import default_cache_dir, fsync_dir
 from sq.synthetic import build_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -45,14 +45,6 @@ TINY_MOE_CONFIG = dict(
     decoder_sparse_step=1, mlp_only_layers=[], vocab_size=2048, max_position_embeddings=1024,
     bos_token_id=0, eos_token_id=1, pad_token_id=None,
 )  # fmt: skip
-
-
-def default_cache_dir(environ: Mapping[str, str]) -> Path:
-    """``$SQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/sq``, else ``~/.cache/sq``."""
-    if environ.get("SQ_CACHE_DIR"):
-        return Path(environ["SQ_CACHE_DIR"]).expanduser()
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "sq"
 
 
 def demo_path(spec: str, *, cache_dir: Path | None = None, environ: Mapping[str, str] = os.environ) -> Path:

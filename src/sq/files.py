@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -142,3 +142,11 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """``$SQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/sq``, else ``~/.cache/sq``."""
+    if environ.get("SQ_CACHE_DIR"):
+        return Path(environ["SQ_CACHE_DIR"]).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "sq"

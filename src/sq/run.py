@@ -218,6 +218,21 @@ class Run:
         finally:
             remove_log_file(handler)
 
+    def recorded_signature(self) -> dict | None:
+        """The signature this folder's unfinished run, else its finished output, recorded (None: none,
+        or unreadable: the claim names that), read by rank 0 and the same on every rank."""
+        def read() -> dict | None:
+            for read_sig in (self.state.read_signature, lambda: writer.finished_signature(self.out)):
+                try:
+                    sig = read_sig()
+                except SqError:
+                    continue
+                if sig:
+                    return sig
+            return None
+
+        return broadcast_object(read() if self.rank == 0 else None)
+
     def restart(self, n_blocks: int, need_chain: bool) -> int:
         """The largest block every rank can restart from; the manifests' blocks before it kept, their
         fragments and skipped Linears taken back."""

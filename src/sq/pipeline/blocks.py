@@ -70,6 +70,7 @@ from sq.report import (
     summary_lines,
     write_report_png,
 )
+from sq.probe import Choice, calib_dtype_choice
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 
@@ -134,9 +135,10 @@ class _Pipeline:
         self.observing = cfg.observes(assigner)
         self.targets = plan_targets(model, assigner, weights, self.world)
         # forwards compute in compute_dtype (None: as the model computes; the API's models keep their
-        # own FSDP2 mixed precision); weights and the checkpoint tensors stay in weight_dtype
-        self.compute_dtype = cfg.compute_dtype(self.device.type) if parallelize is not None else None
+        # own FSDP2 mixed precision), chosen in claim(); weights and checkpoint tensors stay in weight_dtype
         self.weight_dtype = main_dtype(self.targets.blocks[0][1]) if self.targets.blocks else None
+        self.choice: Choice | None = None
+        self.compute_dtype = None
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
@@ -148,13 +150,28 @@ class _Pipeline:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
         problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
+        if self.calibrated and self.parallelize is not None:
+            self.choice = self._calib_dtype()
+            self.compute_dtype = self.choice.dtype
         sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
-            sig["args"]["calib_dtype"] = str(self.compute_dtype or "model").removeprefix("torch.")
+            sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         tokens = self.windows() if self.calibrated else None
         return self.run.claim(sig, cfg.resume, problems, config=self.weights.config,
                               tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes()))
+
+    def _calib_dtype(self) -> Choice:
+        """``--calib-dtype``: as given, the one this folder's run recorded, or measured (``sq.probe``)."""
+        recorded = None
+        if self.cfg.calib_dtype == "auto" and self.cfg.resume != "never":
+            sig = self.run.recorded_signature()
+            recorded = ((sig or {}).get("args") or {}).get("calib_dtype")
+            recorded = recorded if recorded in ("float32", "model") else None
+        block = self.targets.blocks[0][1] if self.targets.blocks else None
+        shapes = sorted({(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)}
+                        if block is not None else (), key=lambda s: -s[0] * s[1])[:3]
+        return calib_dtype_choice(self.cfg.calib_dtype, shapes, self.weight_dtype, self.device, recorded=recorded)
 
     def restart_point(self) -> int:
         """The largest block every rank can restart from; keeps the manifests' blocks before it."""
@@ -471,6 +488,8 @@ class _Pipeline:
             "resumed_from_block": start,
             "skipped_nonfinite": self.run.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
         }
+        if self.choice is not None:
+            report["speed"] = self.choice.to_dict()
         if self.stats.per_block:
             report[cfg.algo.name] = self.stats.per_block
         return report

@@ -1,0 +1,135 @@
+"""Speed choices measured on the machine that runs the job, never read off a CPU model or flag list.
+
+    choice = calib_dtype_choice(shapes, model_dtype, device)   # every rank, before the output is claimed
+
+``--calib-dtype auto`` on CPU: the calibration forwards compute in the model's half dtype only where
+this machine multiplies it faster than float32 (AMX, AVX512-BF16: yes; AVX2 alone: about half float32's
+speed), else in float32 (which is also the more precise).  A probe times the job's own Linear shapes in
+both dtypes (well under a second); every rank's times are summed with one all-reduce, so every rank makes
+the same choice.  The times are kept per machine and shape in the sq cache
+(``$SQ_CACHE_DIR/probes``), so later jobs on the machine -- and a test suite's many jobs -- choose the
+same way without measuring again (delete the folder to measure again); a resumed run takes the choice
+its signature recorded.  On GPU the model's dtype is kept without a probe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from sq.files import default_cache_dir, write_bytes_atomic
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Choice", "calib_dtype_choice", "time_linears"]
+
+PROBE_TOKENS = 512  # rows of the probe's activations (a calibration forward's GEMMs are this wide or wider)
+MAX_WIDTH = 2048  # a shape's sides are cut to this: the speed ratio is the same, the probe stays under ~1 s
+REPEATS = 3  # the best of this many timed passes (after one untimed)
+MARGIN = 1.10  # the half dtype must be this much faster than float32 to give up float32's precision
+
+
+@dataclass
+class Choice:
+    """What the calibration forwards compute in, and why: ``dtype`` None means the model's own."""
+
+    dtype: torch.dtype | None
+    why: str  # "flag", "gpu", "float32 model", "probe", "recorded"
+    seconds: dict[str, float] = field(default_factory=dict)  # summed over ranks, by dtype name
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype or "model").removeprefix("torch.")
+
+    def to_dict(self) -> dict:
+        return {"calib_dtype": self.name, "why": self.why, "seconds": self.seconds}
+
+
+def time_linears(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                 tokens: int = PROBE_TOKENS, repeats: int = REPEATS) -> float:
+    """Seconds for one pass of ``tokens`` rows through a Linear of each ``(in, out)`` shape, then what a
+    block does beside its matmuls -- an activation times a gate on each output, and causal attention
+    over the tokens in heads of 64 -- in ``dtype`` (the best of ``repeats`` passes after an untimed one)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = [(min(i, MAX_WIDTH), min(o, MAX_WIDTH)) for i, o in shapes]
+    pairs = [(torch.randn(tokens, i, generator=g, device=device).to(dtype),
+              torch.randn(o, i, generator=g, device=device).to(dtype)) for i, o in shapes]
+    width = max(i for i, _ in shapes)
+    q = torch.randn(1, max(1, width // 64), tokens, 64, generator=g, device=device).to(dtype)
+    F = torch.nn.functional
+    best = float("inf")
+    for r in range(repeats + 1):
+        t = time.perf_counter()
+        for x, w in pairs:
+            y = F.linear(x, w)
+            F.silu(y) * y
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if r:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _cache_file(shapes, dtype: torch.dtype, device: torch.device):
+    key = json.dumps({"shapes": sorted(shapes), "dtype": str(dtype), "torch": torch.__version__,
+                      "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+                      "node": platform.node(), "device": str(device.type), "tokens": PROBE_TOKENS})
+    return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _local_seconds(shapes, dtypes: list[torch.dtype], device: torch.device) -> tuple[list[float], bool]:
+    """This rank's times per dtype: from the machine's cache, else measured (and cached)."""
+    path = _cache_file(shapes, dtypes[0], device)
+    try:
+        cached = json.loads(path.read_text())
+        return [float(cached[str(d)]) for d in dtypes], True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    secs = [time_linears(shapes, d, device) for d in dtypes]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, json.dumps({str(d): s for d, s in zip(dtypes, secs)}).encode())
+    except OSError as e:  # a read-only cache: measured again next time, same choice rule
+        logger.debug("probe cache not written (%s)", e)
+    return secs, False
+
+
+def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype: torch.dtype | None,
+                       device: torch.device, recorded: str | None = None) -> Choice:
+    """The dtype the calibration forwards compute in (collective for ``auto`` on CPU: call on every rank).
+
+    ``setting``: ``--calib-dtype`` (``float32``, ``model``, ``auto``); ``shapes``: the job's Linear
+    ``(in, out)`` shapes to probe; ``recorded``: the choice an unfinished or finished run of this job
+    recorded (``auto`` takes it, so a resumed run computes as the run it continues)."""
+    if setting == "float32":
+        return Choice(torch.float32, "flag")
+    if setting == "model":
+        return Choice(None, "flag")
+    if recorded is not None:
+        return Choice(None if recorded == "model" else getattr(torch, recorded), "recorded")
+    if device.type != "cpu":
+        return Choice(None, "gpu")
+    if model_dtype is None or model_dtype == torch.float32 or not model_dtype.is_floating_point or not shapes:
+        return Choice(None, "float32 model")
+    dtypes = [model_dtype, torch.float32]
+    secs, cached = _local_seconds(shapes, dtypes, device)
+    if dist.is_initialized():  # every rank's times summed: one choice everywhere
+        t = torch.tensor(secs, dtype=torch.float64)
+        dist.all_reduce(t)
+        secs = t.tolist()
+    half, full = secs
+    choice = Choice(None if half * MARGIN < full else torch.float32, "probe",
+                    {str(model_dtype).removeprefix("torch."): round(half, 6), "float32": round(full, 6)})
+    logger.info("--calib-dtype auto: %s (a probe of %d Linear shapes x %d tokens: %s %.1f ms, float32 %.1f ms%s)",
+                str(choice.dtype or model_dtype).removeprefix("torch."), len(shapes), PROBE_TOKENS,
+                str(model_dtype).removeprefix("torch."), half * 1e3, full * 1e3, ", cached" if cached else "")
+    return choice
