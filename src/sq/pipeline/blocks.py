@@ -267,16 +267,7 @@ class _Pipeline:
         """Statistics a format reads across a weight's rows (NVFP4's global absmax, FP8's per-tensor or
         per-block absmax), all-reduced over the ranks holding its rows before anyone solves, and
         combined over fused partners (q/k/v, gate/up), which an engine loads as one weight."""
-        for lin in work.linears:
-            local, off = local_box(lin.module.weight)
-            work.row_offset[lin.name] = off[0]
-            reds = specs.required_reductions(lin.scheme)
-            if reds:
-                stats = rtn.local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
-                for r in reds:
-                    dist.all_reduce(stats[r.stat], op=r.reduce_op)
-                work.linear_stats[lin.name] = stats
-        rtn.share_global_absmax(work.linear_stats)
+        rtn.reduce_linear_stats(work)
         for eprefix, ex, scheme in work.experts:
             reds = specs.required_reductions(scheme)
             if not reds:

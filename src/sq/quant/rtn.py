@@ -27,9 +27,11 @@ import math
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from sq.anatomy import partner_groups
+from sq.load.fill import local_box
 from sq.errors import SqError
 from sq.formats import primitives
 from sq.formats.specs import required_reductions, spec_for
@@ -61,6 +63,7 @@ __all__ = [
     "rtn_rows",
     "rtn_codes",
     "share_global_absmax",
+    "reduce_linear_stats",
     "local_stats",
     "combine_stats",
     "scales_follow_rows",
@@ -161,6 +164,23 @@ def share_global_absmax(stats: dict[str, dict[str, Tensor]]) -> None:
             shared = torch.stack([stats[n]["global_absmax"] for n in group]).amax(0)
             for n in group:
                 stats[n]["global_absmax"] = shared.clone()
+
+
+def reduce_linear_stats(work) -> None:
+    """The reduce stage for a block's dense Linears (``work``: a ``sq.quant.work.BlockWork``): each one's
+    cross-row statistics (``sq.formats.specs`` reductions) from this rank's rows, all-reduced over the
+    ranks holding its rows, fused partners sharing one global scale -> ``work.linear_stats``; this rank's
+    first row of each -> ``work.row_offset``.  Collective: every rank calls it for the same Linears."""
+    for lin in work.linears:
+        local, off = local_box(lin.module.weight)
+        work.row_offset[lin.name] = off[0]
+        reds = required_reductions(lin.scheme)
+        if reds:
+            stats = local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
+            for r in reds:
+                dist.all_reduce(stats[r.stat], op=r.reduce_op)
+            work.linear_stats[lin.name] = stats
+    share_global_absmax(work.linear_stats)
 
 
 def rtn_codes(w: torch.Tensor, scheme, stats=None, row_offset: int = 0):

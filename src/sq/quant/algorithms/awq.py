@@ -84,15 +84,7 @@ def _restat(work: BlockWork) -> None:
     """The cross-row statistics of the folded weights (NVFP4's global absmax), as the pipeline's
     reduce stage computes them before any fold: dense ones all-reduced and shared by partners,
     experts' per local expert (``--ep 1``: a rank holds whole experts)."""
-    for lin in work.linears:
-        reds = specs.required_reductions(lin.scheme)
-        if reds:
-            local, off = local_box(lin.module.weight)
-            stats = rtn.local_stats(local, lin.scheme, row_offset=off[0], rows=lin.module.out_features)
-            for r in reds:
-                dist.all_reduce(stats[r.stat], op=r.reduce_op)
-            work.linear_stats[lin.name] = stats
-    rtn.share_global_absmax(work.linear_stats)
+    rtn.reduce_linear_stats(work)
     for eprefix, ex, scheme in work.experts:
         for pname in EXPERT_PARAMS if specs.required_reductions(scheme) else ():
             p = ex._parameters[pname]
