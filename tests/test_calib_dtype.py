@@ -136,3 +136,15 @@ def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
     job = dict(model=str(bf16["llama"]), output=str(pinned), scheme="W4A16", algo="gptq", calib_dtype=want, **JOB)
     assert run_ranks(quantize_jobs, 2, [job], timeout=300)[0] == [None]
     assert _same_bits(out, pinned) == []
+
+
+def test_signround_calibrates_in_float32_under_auto(bf16, tmp_path):
+    """SignRound's gradients flow through the forwards: ``auto`` keeps float32 for it (no probe), so its
+    output equals the ``--calib-dtype float32`` one."""
+    base = dict(model=str(bf16["llama"]), scheme="W4A16", algo="signround", iters=2, batch_size=4, **JOB)
+    jobs = [dict(output=str(tmp_path / d), calib_dtype=d, **base) for d in ("auto", "float32")]
+    assert run_ranks(quantize_jobs, 2, jobs, timeout=300)[0] == [None, None]
+    report = json.loads((tmp_path / "auto" / "sq_report.json").read_text())
+    assert report["speed"]["why"] == "algorithm" and report["speed"]["calib_dtype"] == "float32"
+    assert _same_bits(tmp_path / "auto", tmp_path / "float32") == []
+

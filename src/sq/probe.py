@@ -42,7 +42,7 @@ class Choice:
     """What the calibration forwards compute in, and why: ``dtype`` None means the model's own."""
 
     dtype: torch.dtype | None
-    why: str  # "flag", "gpu", "float32 model", "probe", "recorded"
+    why: str  # "flag", "algorithm", "gpu", "float32 model", "probe", "recorded"
     seconds: dict[str, float] = field(default_factory=dict)  # summed over ranks, by dtype name
 
     @property

@@ -163,6 +163,8 @@ class _Pipeline:
 
     def _calib_dtype(self) -> Choice:
         """``--calib-dtype``: as given, the one this folder's run recorded, or measured (``sq.probe``)."""
+        if self.cfg.calib_dtype == "auto" and not self.algo.half_forwards:
+            return Choice(torch.float32, "algorithm")
         recorded = None
         if self.cfg.calib_dtype == "auto" and self.cfg.resume != "never":
             sig = self.run.recorded_signature()

@@ -49,6 +49,8 @@ class Algorithm:
     fp_chain: ClassVar[bool] = False
     error_metric: ClassVar[str] = "weight"
     expert_parallel: ClassVar[bool] = True  # runs with --ep > 1 (experts held by index, tokens moved to them)
+    # --calib-dtype auto may run its forwards in the model's half dtype where that is faster (False: float32)
+    half_forwards: ClassVar[bool] = True
 
     def __init__(self, config: AlgoConfig):
         self.config = config
