@@ -103,10 +103,12 @@ def test_probe_flags_and_cache(tmp_path, monkeypatch):
     assert all(v > 0 for v in first.seconds.values())
     assert (first.dtype is None) == (first.seconds["bfloat16"] * probe.MARGIN < first.seconds["float32"])
     [cached] = (tmp_path / "probes").glob("*.json")
+    assert json.loads(cached.read_text()) == pytest.approx({"half": first.seconds["bfloat16"],
+                                                             "float32": first.seconds["float32"]}, abs=1e-6)
     assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).seconds == first.seconds  # from the cache
-    cached.write_text(json.dumps({"torch.bfloat16": 1.0, "torch.float32": 2.0}))
+    cached.write_text(json.dumps({"half": 1.0, "float32": 2.0}))
     assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).dtype is None
-    cached.write_text(json.dumps({"torch.bfloat16": 1.0, "torch.float32": 1.05}))  # within the margin: float32
+    cached.write_text(json.dumps({"half": 1.0, "float32": 1.05}))  # within the margin: float32
     assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).dtype == torch.float32
 
 
@@ -124,8 +126,7 @@ def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
     assert res.returncode != 0 and "--calib-dtype auto:" in res.output, res.output[-3000:]
     chose_bf16 = re.search(r"--calib-dtype auto: (\w+)", res.output)[1] == "bfloat16"
     [cached] = (cache / "probes").glob("*.json")
-    flipped = {"torch.bfloat16": 1.0, "torch.float32": 0.5} if chose_bf16 else {"torch.bfloat16": 0.5,
-                                                                               "torch.float32": 1.0}
+    flipped = {"half": 1.0, "float32": 0.5} if chose_bf16 else {"half": 0.5, "float32": 1.0}
     cached.write_text(json.dumps(flipped))
     res = run_cli(args, 2, timeout=300, env={"SQ_CACHE_DIR": str(cache)})
     assert res.returncode == 0 and "resuming at block 1" in res.output, res.output[-3000:]

@@ -5,7 +5,7 @@
 ``--calib-dtype auto`` on CPU: the calibration forwards compute in the model's half dtype only where
 this machine multiplies it faster than float32 (AMX, AVX512-BF16: yes; AVX2 alone: about half float32's
 speed), else in float32 (which is also the more precise).  A probe times the job's own Linear shapes in
-both dtypes (well under a second); every rank's times are summed with one all-reduce, so every rank makes
+both dtypes (well under a second); every rank's times are averaged with one all-reduce, so every rank makes
 the same choice.  The times are kept per machine and shape in the sq cache
 (``$SQ_CACHE_DIR/probes``), so later jobs on the machine -- and a test suite's many jobs -- choose the
 same way without measuring again (delete the folder to measure again); a resumed run takes the choice
@@ -43,7 +43,7 @@ class Choice:
 
     dtype: torch.dtype | None
     why: str  # "flag", "algorithm", "gpu", "float32 model", "probe", "recorded"
-    seconds: dict[str, float] = field(default_factory=dict)  # summed over ranks, by dtype name
+    seconds: dict[str, float] = field(default_factory=dict)  # averaged over ranks, by dtype name
 
     @property
     def name(self) -> str:
@@ -86,21 +86,20 @@ def _cache_file(shapes, dtype: torch.dtype, device: torch.device):
     return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-def _local_seconds(shapes, dtypes: list[torch.dtype], device: torch.device) -> tuple[list[float], bool]:
-    """This rank's times per dtype: from the machine's cache, else measured (and cached)."""
-    path = _cache_file(shapes, dtypes[0], device)
+def _read_cache(path) -> list[float] | None:
     try:
         cached = json.loads(path.read_text())
-        return [float(cached[str(d)]) for d in dtypes], True
+        return [float(cached[k]) for k in ("half", "float32")]
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    secs = [time_linears(shapes, d, device) for d in dtypes]
+        return None
+
+
+def _write_cache(path, secs: list[float]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, json.dumps({str(d): s for d, s in zip(dtypes, secs)}).encode())
+        write_bytes_atomic(path, json.dumps(dict(zip(("half", "float32"), secs))).encode())
     except OSError as e:  # a read-only cache: measured again next time, same choice rule
         logger.debug("probe cache not written (%s)", e)
-    return secs, False
 
 
 def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype: torch.dtype | None,
@@ -120,12 +119,18 @@ def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype:
         return Choice(None, "gpu")
     if model_dtype is None or model_dtype == torch.float32 or not model_dtype.is_floating_point or not shapes:
         return Choice(None, "float32 model")
-    dtypes = [model_dtype, torch.float32]
-    secs, cached = _local_seconds(shapes, dtypes, device)
-    if dist.is_initialized():  # every rank's times summed: one choice everywhere
+    path = _cache_file(shapes, model_dtype, device)
+    secs = _read_cache(path)
+    cached = secs is not None
+    if secs is None:
+        secs = [time_linears(shapes, d, device) for d in (model_dtype, torch.float32)]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:  # every rank's times averaged: one choice everywhere
         t = torch.tensor(secs, dtype=torch.float64)
         dist.all_reduce(t)
-        secs = t.tolist()
+        secs = (t / world).tolist()
+    if not cached and (not dist.is_initialized() or dist.get_rank() == 0):
+        _write_cache(path, secs)  # the agreed times: a later job on this machine makes this same choice
     half, full = secs
     choice = Choice(None if half * MARGIN < full else torch.float32, "probe",
                     {str(model_dtype).removeprefix("torch."): round(half, 6), "float32": round(full, 6)})
