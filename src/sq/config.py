@@ -21,7 +21,7 @@ __all__ = ["PTQConfig", "CALIBRATION_FIELDS", "CALIB_DTYPES"]
 
 # job settings read only by algorithms that run calibration data (not in an RTN run's signature)
 CALIBRATION_FIELDS = ("nsamples", "seqlen", "seed", "dataset", "calibrate_all_experts", "calib_dtype")
-# --calib-dtype words: the dtype calibration forwards compute in (``PTQConfig.compute_dtype``)
+# --calib-dtype words: the dtype calibration forwards compute in (``sq.probe.calib_dtype_choice``)
 CALIB_DTYPES = ("auto", "float32", "model")
 
 

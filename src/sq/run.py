@@ -286,12 +286,11 @@ class Run:
         return self.files.submit(files)
 
     def gather(self, mine: Any = None) -> tuple[list[dict], list[list[str]], list]:
-        """After the last block (collective): every rank's fragments, skipped Linears and ``mine``."""
-        frags, skipped, every = [None] * self.world, [None] * self.world, [None] * self.world
-        dist.all_gather_object(frags, self.fragments)
-        dist.all_gather_object(skipped, self.skipped)
-        dist.all_gather_object(every, mine)
-        return frags, skipped, every
+        """After the last block (one collective): every rank's fragments, skipped Linears and ``mine``."""
+        every = [None] * self.world
+        dist.all_gather_object(every, (self.fragments, self.skipped, mine))
+        frags, skipped, mine_all = zip(*every)
+        return list(frags), list(skipped), list(mine_all)
 
     def final(self, stage: Callable[[], dict]) -> dict:
         """Rank 0's final stage, every rank waiting for its verdict; the report on rank 0, ``{}`` elsewhere."""

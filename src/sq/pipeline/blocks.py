@@ -20,7 +20,8 @@
 
 It knows no algorithm by name: the handler (``sq.quant.algorithms``) is found by the config's
 type, and the pipeline reads only its ``calibrated`` / ``fp_chain`` facts and calls its hooks.
-Fill/free, gathers to the writer, resume bookkeeping and fault points live here, once.
+Fill/free and gathers to the writer live here; the folder, resume bookkeeping and fault points are
+``sq.run``'s, shared with model-free.
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import (
-    EXPERT_PARAMS,
-)
+from sq.anatomy import EXPERT_PARAMS
 from sq.dist import rank_device
 from sq.errors import SqError
 from sq.export import writer
@@ -65,11 +64,7 @@ from sq.quant.experts import (
 )
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
-from sq.report import (
-    block_progress,
-    summary_lines,
-    write_report_png,
-)
+from sq.report import block_progress, summary_lines, write_report_png
 from sq.probe import Choice, calib_dtype_choice
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
@@ -138,7 +133,6 @@ class _Pipeline:
         # own FSDP2 mixed precision), chosen in claim(); weights and checkpoint tensors stay in weight_dtype
         self.weight_dtype = main_dtype(self.targets.blocks[0][1]) if self.targets.blocks else None
         self.choice: Choice | None = None
-        self.compute_dtype = None
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
@@ -152,7 +146,6 @@ class _Pipeline:
         problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
         if self.calibrated and self.parallelize is not None:
             self.choice = self._calib_dtype()
-            self.compute_dtype = self.choice.dtype
         sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
             sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
@@ -160,6 +153,10 @@ class _Pipeline:
         tokens = self.windows() if self.calibrated else None
         return self.run.claim(sig, cfg.resume, problems, config=self.weights.config,
                               tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes()))
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.choice.dtype if self.choice is not None else None
 
     def _calib_dtype(self) -> Choice:
         """``--calib-dtype``: as given, the one this folder's run recorded, or measured (``sq.probe``)."""
@@ -379,8 +376,8 @@ class _Pipeline:
 
     def _write(self, work: BlockWork, names, results, expert_q, bad) -> float:
         """Gather each Linear's rows on its writer and compress; rank 0 writes the rest whole; then the
-        shard, the chain cache and the manifest are written in the background (``_Files``) while the
-        next block computes.  Returns the seconds spent waiting for the previous block's files."""
+        shard, the chain cache and the manifest are written in the background (``Run.write_block``) while
+        the next block computes.  Returns the seconds spent waiting for the previous block's files."""
         b, rank = work.index, self.rank
         tensors: dict[str, torch.Tensor] = {}
         for lin in work.linears:
@@ -497,11 +494,12 @@ def run_pipeline(cfg, model: nn.Module, weights, assigner: Assigner, data: dict,
     if not p.claim():
         return {"complete": True}
     with p.run.log_file():
-        return _run_blocks(p, model, weights, parallelize)
+        return _run_blocks(p)
 
 
-def _run_blocks(p: _Pipeline, model: nn.Module, weights, parallelize) -> dict:
+def _run_blocks(p: _Pipeline) -> dict:
     """Restart point, calibration inputs, every block left, the final stage."""
+    model, weights, parallelize = p.model, p.weights, p.parallelize
     n_blocks = len(p.targets.blocks)
     logger.info("quantizing %s -> %s on %d rank(s): %d Linears, %d expert groups", weights.describe(), p.out,
                 p.world, sum(len(ls) for ls in p.targets.linears), sum(len(es) for es in p.targets.experts))

@@ -36,7 +36,7 @@ from sq.errors import SqError
 from sq.formats import primitives
 from sq.formats.specs import required_reductions, spec_for
 from sq.formats.schemes import QuantScheme
-from sq.quant.work import Solved
+from sq.quant.work import BlockWork, Solved
 
 
 def local_stats(w: Tensor, scheme: QuantScheme, *, row_offset: int = 0, rows: int | None = None) -> dict[str, Tensor]:
@@ -166,8 +166,8 @@ def share_global_absmax(stats: dict[str, dict[str, Tensor]]) -> None:
                 stats[n]["global_absmax"] = shared.clone()
 
 
-def reduce_linear_stats(work) -> None:
-    """The reduce stage for a block's dense Linears (``work``: a ``sq.quant.work.BlockWork``): each one's
+def reduce_linear_stats(work: BlockWork) -> None:
+    """The reduce stage for a block's dense Linears: each one's
     cross-row statistics (``sq.formats.specs`` reductions) from this rank's rows, all-reduced over the
     ranks holding its rows, fused partners sharing one global scale -> ``work.linear_stats``; this rank's
     first row of each -> ``work.row_offset``.  Collective: every rank calls it for the same Linears."""
