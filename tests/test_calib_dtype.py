@@ -10,7 +10,9 @@ where the cast is a no-op):
   SignRound put quantized candidates into the forward: cast to its dtype) and their outputs load;
   FP8's ``input_scale`` keeps the model's dtype;
 - the resolved dtype is part of the resume signature: a finished float32 output is not taken
-  for a bf16-compute job.
+  for a bf16-compute job;
+- ``mixed`` (SignRound's: float32 weights and residual stream, autocast matmuls) is what ``auto`` takes for
+  SignRound where the half dtype is faster, resumes bit-identically, and is refused for other algorithms.
 """
 
 from __future__ import annotations
@@ -110,6 +112,17 @@ def test_probe_flags_and_cache(tmp_path, monkeypatch):
     assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).dtype is None
     cached.write_text(json.dumps({"half": 1.0, "float32": 1.05}))  # within the margin: float32
     assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu).dtype == torch.float32
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu, half="mixed").name == "float32"
+    # mixed: float32 weights and residuals, matmuls autocast to the model's half dtype
+    cached.write_text(json.dumps({"half": 1.0, "float32": 2.0}))
+    mixed = probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu, half="mixed")
+    assert (mixed.name, mixed.dtype, mixed.autocast, mixed.why) == ("mixed", torch.float32, torch.bfloat16, "probe")
+    assert mixed.to_dict()["autocast"] == "bfloat16"
+    assert probe.calib_dtype_choice("mixed", shapes, torch.float16, cpu).autocast == torch.float16
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, cpu, recorded="mixed").name == "mixed"
+    assert probe.calib_dtype_choice("auto", shapes, torch.bfloat16, torch.device("cuda"), half="mixed").name == "mixed"
+    flat = probe.calib_dtype_choice("mixed", shapes, torch.float32, cpu)  # no half dtype: as it is
+    assert (flat.name, flat.why) == ("model", "float32 model")
 
 
 def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
@@ -139,13 +152,55 @@ def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
     assert _same_bits(out, pinned) == []
 
 
-def test_signround_calibrates_in_float32_under_auto(bf16, tmp_path):
-    """SignRound's gradients flow through the forwards: ``auto`` keeps float32 for it (no probe), so its
-    output equals the ``--calib-dtype float32`` one."""
+def test_signround_under_auto_is_mixed_or_float32(bf16, tmp_path, monkeypatch):
+    """SignRound's gradients flow through the forwards: where the probe finds the half dtype faster,
+    ``auto`` takes ``mixed`` (float32 weights and residual stream, autocast matmuls) instead of the model's
+    dtype, else float32: the output equals the pinned one's each way, and mixed computes otherwise."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SQ_CACHE_DIR", str(cache))  # the ranks take the caller's environment
     base = dict(model=str(bf16["llama"]), scheme="W4A16", algo="signround", iters=2, batch_size=4, **JOB)
-    jobs = [dict(output=str(tmp_path / d), calib_dtype=d, **base) for d in ("auto", "float32")]
-    assert run_ranks(quantize_jobs, 2, jobs, timeout=300)[0] == [None, None]
-    report = json.loads((tmp_path / "auto" / "sq_report.json").read_text())
-    assert report["speed"]["why"] == "algorithm" and report["speed"]["calib_dtype"] == "float32"
-    assert _same_bits(tmp_path / "auto", tmp_path / "float32") == []
 
+    def run(*names):
+        jobs = [dict(output=str(tmp_path / n), calib_dtype=n.split("-")[0], **base) for n in names]
+        assert run_ranks(quantize_jobs, 2, jobs, timeout=300)[0] == [None] * len(jobs)
+
+    run("auto-first")  # measures, and caches this machine's times
+    [cached] = (cache / "probes").glob("*.json")
+    cached.write_text(json.dumps({"half": 0.5, "float32": 1.0}))
+    run("auto-half", "mixed")
+    cached.write_text(json.dumps({"half": 1.0, "float32": 0.5}))
+    run("auto-float32", "float32")
+    speed = json.loads((tmp_path / "auto-half" / "sq_report.json").read_text())["speed"]
+    assert speed["why"] == "probe" and speed["calib_dtype"] == "mixed" and speed["autocast"] == "bfloat16"
+    speed = json.loads((tmp_path / "auto-float32" / "sq_report.json").read_text())["speed"]
+    assert speed["why"] == "probe" and speed["calib_dtype"] == "float32"
+    assert _same_bits(tmp_path / "auto-half", tmp_path / "mixed") == []
+    assert _same_bits(tmp_path / "auto-float32", tmp_path / "float32") == []
+    losses = [[b["loss_first"] for b in json.loads((tmp_path / d / "sq_report.json").read_text())["signround"].values()]
+              for d in ("mixed", "float32")]
+    assert losses[0] != losses[1]  # the matmuls in bf16: other losses (the tiny steps may keep RTN's bits)
+    assert _layout(tmp_path / "mixed") == _layout(tmp_path / "float32")
+    sig = json.loads((tmp_path / "mixed" / "sq_report.json").read_text())["run_signature"]
+    assert sig["args"]["calib_dtype"] == "mixed"
+
+
+def test_mixed_signround_resumes_bit_identical_and_is_signrounds_alone(bf16, tmp_path):
+    """``--calib-dtype mixed`` killed after block 1's files and resumed ends bit-identical to an
+    uninterrupted run (the chain cache holds its float32 activations); GPTQ refuses it by name."""
+    from harness import run_cli
+
+    out, pinned = tmp_path / "o", tmp_path / "pinned"
+    args = ["sq.ptq", "--model", str(bf16["llama"]), "--output", str(out), "--algo", "signround", "--iters", "2",
+            "--batch-size", "4", "--group-size", str(GS), "--nsamples", "8", "--seqlen", "32", "--calib-dtype",
+            "mixed", "--timeout", "60"]
+    res = run_cli(args, 2, timeout=300, env={"SQ_FAULT": "after-shard-write:0:1"})
+    assert res.returncode != 0, res.output[-3000:]
+    res = run_cli(args, 2, timeout=300)
+    assert res.returncode == 0 and "resuming at block 1" in res.output, res.output[-3000:]
+    job = dict(model=str(bf16["llama"]), output=str(pinned), scheme="W4A16", algo="signround", iters=2,
+               batch_size=4, calib_dtype="mixed", **JOB)
+    gptq = {**{k: v for k, v in job.items() if k not in ("iters", "batch_size")}, "output": str(tmp_path / "gptq"),
+            "algo": "gptq"}
+    res = run_ranks(quantize_jobs, 2, [job, gptq], timeout=300)[0]
+    assert res[0] is None and "--calib-dtype mixed is SignRound's" in res[1], res
+    assert _same_bits(out, pinned) == []

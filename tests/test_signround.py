@@ -43,18 +43,26 @@ def test_tuned_quantizer_starts_at_rtn(name):
     assert torch.equal(tuned_qdq(w, v, a, b, scheme), deq)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM"])
-def test_exported_weights_are_the_tuned_forward_and_gradients_flow(name):
+def test_exported_weights_are_the_tuned_forward_and_gradients_flow(name, dtype):
+    """The tuning forward quantizes with the scale the checkpoint holds (rounded to the weight's dtype,
+    also for groups whose scale is below bf16's eps: large models' weights): every code the steps tuned
+    is the code written."""
     scheme = get_scheme(name, GS)
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(8, 32, generator=g)
+    w = (torch.randn(8, 32, generator=g) * torch.tensor([1.0, 0.01, 0.003, 1e-4]).repeat(2)[:, None]).to(dtype)
     v = (torch.rand(8, 32, generator=g) - 0.5).requires_grad_()
     a = (0.5 + 0.5 * torch.rand(8, 2, generator=g)).requires_grad_()
     b = (0.5 + 0.5 * torch.rand(8, 2, generator=g)).requires_grad_()
-    fwd = tuned_qdq(w, v, a, b, scheme)
-    deq = tuned_quantize(w, v.detach(), a.detach(), b.detach(), scheme)[3]
-    torch.testing.assert_close(deq, fwd.detach(), rtol=1e-6, atol=1e-6)
-    ((fwd - w) ** 2).sum().backward()
+    fwd = tuned_qdq(w.float(), v, a, b, scheme, dtype=dtype)
+    q, scale, zp, deq = tuned_quantize(w, v.detach(), a.detach(), b.detach(), scheme)
+    codes = (fwd.detach().unflatten(-1, (2, GS)) / scale.float().unsqueeze(-1)).flatten(-2)
+    if zp is not None:
+        codes = codes + zp.float().repeat_interleave(GS, -1)
+    assert torch.equal(codes.round().to(torch.int8), q)
+    torch.testing.assert_close(deq, fwd.detach().to(dtype), rtol=1e-6, atol=0)
+    ((fwd - w.float()) ** 2).sum().backward()
     for t in (v, a, b):
         assert t.grad is not None and t.grad.abs().sum() > 0
 

@@ -22,7 +22,7 @@ __all__ = ["PTQConfig", "CALIBRATION_FIELDS", "CALIB_DTYPES"]
 # job settings read only by algorithms that run calibration data (not in an RTN run's signature)
 CALIBRATION_FIELDS = ("nsamples", "seqlen", "seed", "dataset", "calibrate_all_experts", "calib_dtype")
 # --calib-dtype words: the dtype calibration forwards compute in (``sq.probe.calib_dtype_choice``)
-CALIB_DTYPES = ("auto", "float32", "model")
+CALIB_DTYPES = ("auto", "float32", "model", "mixed")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class PTQConfig:
     ep: int | None = None  # None: auto (sq.pipeline.job.auto_ep), resolved before the pipeline runs
     resume: str = "auto"  # auto | never | require
     kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
-    calib_dtype: str = "auto"  # auto | float32 | model: what calibration forwards compute in (sq.probe)
+    calib_dtype: str = "auto"  # auto | float32 | model | mixed: what calibration forwards compute in (sq.probe)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     verify_source: str = "stat"  # stat | content: how the resume signature and the ranks identify source shards
     allow_unmatched: bool = False  # --ignore patterns / recipe rules matching no module: warned about, not refused

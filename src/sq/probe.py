@@ -4,7 +4,10 @@
 
 ``--calib-dtype auto`` on CPU: the calibration forwards compute in the model's half dtype only where
 this machine multiplies it faster than float32 (AMX, AVX512-BF16: yes; AVX2 alone: about half float32's
-speed), else in float32 (which is also the more precise).  A probe times the job's own Linear shapes in
+speed), else in float32 (which is also the more precise).  An algorithm whose gradients flow through the
+forwards (SignRound: ``half_forwards = "mixed"``) takes ``mixed`` instead of the model's dtype: weights and
+the residual stream stay float32 and ``torch.autocast`` runs the matmuls and attention in the half dtype
+(the half dtype's speed, float32's perplexity: docs/benchmarks.md).  A probe times the job's own Linear shapes in
 both dtypes (well under a second); every rank's times are averaged with one all-reduce, so every rank makes
 the same choice.  The times are kept per machine and shape in the sq cache
 (``$SQ_CACHE_DIR/probes``), so later jobs on the machine -- and a test suite's many jobs -- choose the
@@ -42,15 +45,20 @@ class Choice:
     """What the calibration forwards compute in, and why: ``dtype`` None means the model's own."""
 
     dtype: torch.dtype | None
-    why: str  # "flag", "algorithm", "gpu", "float32 model", "probe", "recorded"
+    why: str  # "flag", "gpu", "float32 model", "probe", "recorded"
     seconds: dict[str, float] = field(default_factory=dict)  # averaged over ranks, by dtype name
+    # mixed: the half dtype torch.autocast runs the block's matmuls and attention in (dtype is float32)
+    autocast: torch.dtype | None = None
 
     @property
     def name(self) -> str:
-        return str(self.dtype or "model").removeprefix("torch.")
+        return "mixed" if self.autocast is not None else str(self.dtype or "model").removeprefix("torch.")
 
     def to_dict(self) -> dict:
-        return {"calib_dtype": self.name, "why": self.why, "seconds": self.seconds}
+        out = {"calib_dtype": self.name, "why": self.why, "seconds": self.seconds}
+        if self.autocast is not None:
+            out["autocast"] = str(self.autocast).removeprefix("torch.")
+        return out
 
 
 def time_linears(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
@@ -103,21 +111,27 @@ def _write_cache(path, secs: list[float]) -> None:
 
 
 def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype: torch.dtype | None,
-                       device: torch.device, recorded: str | None = None) -> Choice:
+                       device: torch.device, recorded: str | None = None, half: str = "model") -> Choice:
     """The dtype the calibration forwards compute in (collective for ``auto`` on CPU: call on every rank).
 
-    ``setting``: ``--calib-dtype`` (``float32``, ``model``, ``auto``); ``shapes``: the job's Linear
-    ``(in, out)`` shapes to probe; ``recorded``: the choice an unfinished or finished run of this job
-    recorded (``auto`` takes it, so a resumed run computes as the run it continues)."""
-    if setting == "float32":
-        return Choice(torch.float32, "flag")
-    if setting == "model":
-        return Choice(None, "flag")
+    ``setting``: ``--calib-dtype`` (``float32``, ``model``, ``mixed``, ``auto``); ``shapes``: the job's
+    Linear ``(in, out)`` shapes to probe; ``recorded``: the choice an unfinished or finished run of this
+    job recorded (``auto`` takes it, so a resumed run computes as the run it continues); ``half``: what
+    ``auto`` takes where the half dtype wins, ``model`` or ``mixed`` (the algorithm's ``half_forwards``)."""
+    halved = model_dtype is not None and model_dtype.is_floating_point and model_dtype.itemsize < 4
+
+    def take(word: str, why: str) -> Choice:
+        if word == "mixed":  # a float32 model has no half dtype to autocast to: it computes as it is
+            return Choice(torch.float32, why, autocast=model_dtype) if halved else Choice(None, "float32 model")
+        return Choice(None if word == "model" else getattr(torch, word), why)
+
+    if setting != "auto":
+        return take(setting, "flag")
     if recorded is not None:
-        return Choice(None if recorded == "model" else getattr(torch, recorded), "recorded")
+        return take(recorded, "recorded")
     if device.type != "cpu":
-        return Choice(None, "gpu")
-    if model_dtype is None or model_dtype == torch.float32 or not model_dtype.is_floating_point or not shapes:
+        return take(half, "gpu")
+    if not halved or not shapes:
         return Choice(None, "float32 model")
     path = _cache_file(shapes, model_dtype, device)
     secs = _read_cache(path)
@@ -131,10 +145,11 @@ def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype:
         secs = (t / world).tolist()
     if not cached and (not dist.is_initialized() or dist.get_rank() == 0):
         _write_cache(path, secs)  # the agreed times: a later job on this machine makes this same choice
-    half, full = secs
-    choice = Choice(None if half * MARGIN < full else torch.float32, "probe",
-                    {str(model_dtype).removeprefix("torch."): round(half, 6), "float32": round(full, 6)})
+    t_half, t_full = secs
+    choice = take(half if t_half * MARGIN < t_full else "float32", "probe")
+    choice.seconds = {str(model_dtype).removeprefix("torch."): round(t_half, 6), "float32": round(t_full, 6)}
     logger.info("--calib-dtype auto: %s (a probe of %d Linear shapes x %d tokens: %s %.1f ms, float32 %.1f ms%s)",
-                str(choice.dtype or model_dtype).removeprefix("torch."), len(shapes), PROBE_TOKENS,
-                str(model_dtype).removeprefix("torch."), half * 1e3, full * 1e3, ", cached" if cached else "")
+                choice.name if choice.name != "model" else str(model_dtype).removeprefix("torch."), len(shapes),
+                PROBE_TOKENS, str(model_dtype).removeprefix("torch."), t_half * 1e3, t_full * 1e3,
+                ", cached" if cached else "")
     return choice

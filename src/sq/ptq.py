@@ -33,7 +33,7 @@ def build_parser() -> ArgParser:
     import dataclasses
 
     from sq.quant.algorithms import add_arguments, algorithm_names
-    from sq.config import PTQConfig
+    from sq.config import CALIB_DTYPES, PTQConfig
 
     # the job's defaults are PTQConfig's (written once); the algorithm's, its config's
     job_algo = PTQConfig.__dataclass_fields__["algo"].default_factory.name
@@ -80,9 +80,12 @@ def build_parser() -> ArgParser:
     p.add_argument("--kv-cache", default=job["kv_cache"], choices=("none", "fp8"),
                    help="fp8: write calibrated per-layer k_scale / v_scale for an fp8 KV cache (kv_cache_scheme; "
                         "reads calibration data)")
-    p.add_argument("--calib-dtype", default=job["calib_dtype"], choices=("auto", "float32", "model"),
-                   help="what calibration forwards compute in: auto (float32 on CPU, the model's dtype on GPU), "
-                        "float32, or model; weights keep the checkpoint's dtype (part of the resume signature)")
+    p.add_argument("--calib-dtype", default=job["calib_dtype"], choices=CALIB_DTYPES,
+                   help="what calibration forwards compute in: auto (measured at start: the model's half dtype "
+                        "where this machine runs it faster, else float32; SignRound: mixed or float32), float32, "
+                        "model, or mixed (float32 weights and residual stream, matmuls and attention autocast to "
+                        "the model's half dtype; SignRound only); weights keep the checkpoint's dtype (part of the "
+                        "resume signature)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")

@@ -144,6 +144,9 @@ class _Pipeline:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
         problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
+        if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
+            problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
+                            "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
         if self.calibrated and self.parallelize is not None:
             self.choice = self._calib_dtype()
         sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
@@ -158,19 +161,22 @@ class _Pipeline:
     def compute_dtype(self) -> torch.dtype | None:
         return self.choice.dtype if self.choice is not None else None
 
+    @property
+    def autocast(self) -> torch.dtype | None:
+        return self.choice.autocast if self.choice is not None else None
+
     def _calib_dtype(self) -> Choice:
         """``--calib-dtype``: as given, the one this folder's run recorded, or measured (``sq.probe``)."""
-        if self.cfg.calib_dtype == "auto" and not self.algo.half_forwards:
-            return Choice(torch.float32, "algorithm")
         recorded = None
         if self.cfg.calib_dtype == "auto" and self.cfg.resume != "never":
             sig = self.run.recorded_signature()
             recorded = ((sig or {}).get("args") or {}).get("calib_dtype")
-            recorded = recorded if recorded in ("float32", "model") else None
+            recorded = recorded if recorded in ("float32", "model", "mixed") else None
         block = self.targets.blocks[0][1] if self.targets.blocks else None
         shapes = sorted({(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)}
                         if block is not None else (), key=lambda s: -s[0] * s[1])[:3]
-        return calib_dtype_choice(self.cfg.calib_dtype, shapes, self.weight_dtype, self.device, recorded=recorded)
+        return calib_dtype_choice(self.cfg.calib_dtype, shapes, self.weight_dtype, self.device, recorded=recorded,
+                                  half=self.algo.half_forwards)
 
     def restart_point(self) -> int:
         """The largest block every rank can restart from; keeps the manifests' blocks before it."""
@@ -211,7 +217,7 @@ class _Pipeline:
         work = BlockWork(b, prefix, block, self.targets.linears[b], self.targets.experts[b], self.inputs,
                          self.fp_inputs, self.steps, self.dummy, self.device, self.rank, self.world,
                          self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts,
-                         weight_dtype=self.weight_dtype)
+                         weight_dtype=self.weight_dtype, autocast=self.autocast)
         self._reduce(work)
         t = time.perf_counter()
         observed_out = None
@@ -220,7 +226,7 @@ class _Pipeline:
             phase["observe"] = time.perf_counter() - t
             t = time.perf_counter()
         if self.algo.fp_chain:  # capture: the full-precision outputs are the algorithm's targets
-            work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy)
+            work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy, autocast=self.autocast)
         if self.algo.calibrated:
             self.algo.observe(work)
             self.run.fault_point("calib", b)
@@ -368,7 +374,7 @@ class _Pipeline:
         outs = self.algo.next_inputs(work)
         if outs is None:
             outs = observed_out if not self.algo.calibrated else block_forward(work.block, self.inputs, self.steps,
-                                                                                self.dummy)
+                                                                                self.dummy, autocast=self.autocast)
         self.inputs = [(y, kw) for y, (_, kw) in zip(outs, self.inputs)]
         if self.algo.fp_chain:
             self.fp_inputs = [(y, kw) for y, (_, kw) in zip(work.fp_out, self.fp_inputs)]

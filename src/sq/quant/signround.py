@@ -60,7 +60,7 @@ from sq.quant.settings import AlgoConfig, option
 from sq.formats import primitives
 from sq.quant import rtn
 from sq.formats.specs import required_reductions, spec_for
-from sq.quant.forward import block_kwargs
+from sq.quant.forward import autocast_to, block_kwargs
 from sq.formats.schemes import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,13 @@ def _scale(wmin: Tensor, wmax: Tensor, scheme: QuantScheme) -> Tensor:
     if scheme.symmetric:
         return torch.maximum(wmin.abs(), wmax) / (span / 2)
     return (wmax - wmin) / span
+
+
+def _stored_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """An integer scheme's scale as the checkpoint holds it: in the weight's dtype, a zero (an all-zero
+    group) replaced by that dtype's eps."""
+    scale = scale.to(dtype)
+    return torch.where(scale == 0, torch.tensor(torch.finfo(dtype).eps, dtype=dtype), scale)
 
 
 def tunable(scheme: QuantScheme) -> bool:
@@ -181,16 +188,19 @@ def tuned_qdq(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: QuantSc
               dtype: torch.dtype | None = None) -> Tensor:
     """Differentiable quantize-dequantize of ``w`` (float32) with the tuned parameters.
 
-    fp4 schemes: ``stats`` are the weight's all-reduced statistics (NVFP4's ``global_absmax``;
-    default: ``w`` is the whole weight) and ``dtype`` the weight's own (default ``w.dtype``), in
-    which the format computes its scales."""
+    ``dtype`` is the weight's own (default ``w.dtype``): the scales are the ones :func:`tuned_quantize`
+    computes in it (fp4 schemes: the format computes its scales in it; ``stats`` are the weight's
+    all-reduced statistics, NVFP4's ``global_absmax``; default: ``w`` is the whole weight)."""
     if _fp4(scheme):
         if stats is None:
             stats = _local_stats(w, scheme)
         return _fp4_qdq(w, v, alpha, beta, scheme, stats, dtype or w.dtype)
     wg = _grouped(w, scheme)
     wmin, wmax = _range(wg, alpha, beta)
-    scale = _scale(wmin, wmax, scheme).clamp(min=torch.finfo(torch.bfloat16).eps).unsqueeze(-1)
+    # the scale the checkpoint will hold (tuned_quantize's: in the weight's dtype, 0 -> its eps), with the
+    # exact scale's gradient: the steps tune the roundings a loader reconstructs, not float32 ones
+    exact = _scale(wmin, wmax, scheme)
+    scale = (exact + (_stored_scale(exact.detach(), dtype or w.dtype).float() - exact).detach()).unsqueeze(-1)
     x = wg / scale + _grouped(v, scheme)
     if scheme.symmetric:
         q = torch.clamp(_round_ste(x), scheme.qmin, scheme.qmax)
@@ -213,8 +223,7 @@ def tuned_quantize(w: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, scheme: Qu
         return _fp4_quantize(w, v, alpha, beta, scheme, stats if stats is not None else _local_stats(w, scheme))[:4]
     wg = _grouped(w.float(), scheme)
     wmin, wmax = _range(wg, alpha, beta)
-    scale = _scale(wmin, wmax, scheme).to(w.dtype)
-    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype), scale)
+    scale = _stored_scale(_scale(wmin, wmax, scheme), w.dtype)
     s32 = scale.float().unsqueeze(-1)
     x = torch.round(wg / s32 + _grouped(v, scheme))
     zp = None
@@ -354,13 +363,15 @@ def _out(y) -> Tensor:
 
 
 def tune_block(block: nn.Module, slots: list[TunedWeight], q_inputs, fp_outputs: list[Tensor], nsamples: int,
-               cfg: SignRoundConfig, seed: int, block_index: int) -> dict:
+               cfg: SignRoundConfig, seed: int, block_index: int, autocast: torch.dtype | None = None) -> dict:
     """Tune every slot of ``block`` in place (``slot.best``); returns ``{"loss_first", "loss_best"}``.
 
     ``q_inputs`` are this rank's quantized-chain inputs ``[(hidden, kwargs), ...]`` (its samples
     ``rank::world`` in order) and ``fp_outputs`` the full-precision block's outputs for the
     same samples.  Collective: every rank calls it with the same slots in the same order.  The
     block's FSDP2 units must be unsharded (the caller's job: ``sq.parallel.fsdp.unsharded``).
+    ``autocast``: the half dtype the block's forward (and so its backward) runs its matmuls in
+    (``--calib-dtype mixed``); the loss, the tuned parameters and their steps stay float32.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     fp_rows = torch.cat(fp_outputs)
@@ -378,7 +389,7 @@ def tune_block(block: nn.Module, slots: list[TunedWeight], q_inputs, fp_outputs:
         p.requires_grad_(False)
     try:
         first, best = _loop(block, slots, q_rows, fp_rows, kw0, micro, bs, share, n_local, gen, cfg,
-                            numel_per_sample, clock)
+                            numel_per_sample, clock, autocast)
     finally:
         for p in frozen:
             p.requires_grad_(True)
@@ -386,7 +397,7 @@ def tune_block(block: nn.Module, slots: list[TunedWeight], q_inputs, fp_outputs:
             **{f"{k}_s": round(v, 3) for k, v in clock.seconds.items()}}
 
 
-def _loop(block, slots, q_rows, fp_rows, kw0, micro, bs, share, n_local, gen, cfg, numel_per_sample, clock):
+def _loop(block, slots, q_rows, fp_rows, kw0, micro, bs, share, n_local, gen, cfg, numel_per_sample, clock, autocast):
     lr0 = cfg.step_size
     best, first = float("inf"), None
     for it in range(cfg.iters):
@@ -397,7 +408,7 @@ def _loop(block, slots, q_rows, fp_rows, kw0, micro, bs, share, n_local, gen, cf
             # the tuned weights as the checkpoint would hold them, seen in the forward's dtype
             weights = [(s.module, s.pname, s.full_qdq().to(q_rows.dtype)) for s in slots]
             clock.lap("qdq")
-            with _Swapped(weights):
+            with _Swapped(weights), autocast_to(autocast, q_rows.device):
                 y = _out(block.forward(q_rows[rows], **_batch_kwargs(kw0, micro, len(rows))))
             diff = (y.float() - fp_rows[rows].float())
             loss = diff.pow(2).sum() / (bs * numel_per_sample)

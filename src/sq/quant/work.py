@@ -97,6 +97,9 @@ class BlockWork:
     # the checkpoint's dtype of the block's weights; the forwards may compute in another
     # (--calib-dtype: FSDP2 then gathers the weights cast to it)
     weight_dtype: torch.dtype | None = None
+    # --calib-dtype mixed: the half dtype the block's matmuls and attention autocast to (SignRound's
+    # tuning and the pipeline's chain forwards); None: none
+    autocast: torch.dtype | None = None
     fp_out: list | None = None
     # cross-row statistics (sq.formats.specs reductions), already all-reduced and shared by fused
     # partners: dense weight name -> {stat: tensor}

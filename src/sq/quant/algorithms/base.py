@@ -49,8 +49,9 @@ class Algorithm:
     fp_chain: ClassVar[bool] = False
     error_metric: ClassVar[str] = "weight"
     expert_parallel: ClassVar[bool] = True  # runs with --ep > 1 (experts held by index, tokens moved to them)
-    # --calib-dtype auto may run its forwards in the model's half dtype where that is faster (False: float32)
-    half_forwards: ClassVar[bool] = True
+    # what --calib-dtype auto may trade float32 for where the probe finds the model's half dtype faster:
+    # "model" (the forwards in it) or "mixed" (float32 weights and residuals, autocast matmuls; sq.probe)
+    half_forwards: ClassVar[str] = "model"
 
     def __init__(self, config: AlgoConfig):
         self.config = config

@@ -22,9 +22,9 @@ class SignRoundAlgorithm(Algorithm):
     calibrated = True
     fp_chain = True
     expert_parallel = False
-    # its signed gradients flow through the block's forward: with bf16 forwards the standard benchmark's
-    # perplexity is 15.69 (AMD EPYC) / 14.28 (Xeon) against 13.46 in float32, so auto keeps float32
-    half_forwards = False
+    # its signed gradients flow through the block's forward: bf16 residual streams cost perplexity
+    # (docs/benchmarks.md, "SignRound and the calibration dtype"); autocast matmuls do not
+    half_forwards = "mixed"
 
     def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
         problems = self.ep_refusals(ep)
@@ -57,7 +57,7 @@ class SignRoundAlgorithm(Algorithm):
         if slots and self.config.iters:
             with unsharded(work.block):
                 work.state["tuning"] = tune_block(work.block, list(slots.values()), work.inputs, work.fp_out,
-                                                  work.nsamples, self.config, work.seed, work.index)
+                                                  work.nsamples, self.config, work.seed, work.index, work.autocast)
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         slot = work.state["slots"][linear.name]
