@@ -1,7 +1,7 @@
 """Loading benchmark (issue 3): sq's sharded loader vs transformers, 2 ranks on CPU.
 
-    /work/venv/bin/python bench/load.py                 # build/reuse checkpoints, run all, print table
-    /work/venv/bin/python bench/load.py --layouts per_expert --loaders sq_ep1,hf_fsdp2
+    .venv/bin/python bench/load.py                 # build/reuse checkpoints, run all, print table
+    .venv/bin/python bench/load.py --layouts per_expert --loaders sq_ep1,hf_fsdp2 [--layers 5]
 
 The driver builds (once, cached under bench/_work/) a synthetic ~3 GB bf16 Qwen3-MoE checkpoint
 in the per-expert Hub layout and in transformers' fused layout, then runs each loader as its own
@@ -676,7 +676,7 @@ def driver(args) -> None:
     ckpts = {}
     for layout in layouts:
         t0 = time.perf_counter()
-        ckpts[layout] = build_checkpoint(layout)
+        ckpts[layout] = build_checkpoint(layout, dict(SIZE, num_hidden_layers=args.layers))
         meta = json.loads((ckpts[layout] / ".bench-done").read_text())
         print(f"checkpoint {layout}: {ckpts[layout]} {_gb(meta['total_bytes'])} GB in {meta['files']} files "
               f"({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -720,6 +720,8 @@ def main() -> None:
     ap.add_argument("--results", default=str(WORK / "results.jsonl"))
     ap.add_argument("--append", action="store_true", help="keep earlier results in --results")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=SIZE["num_hidden_layers"],
+                    help="MoE layers of the checkpoint (15: 3.13 GB, 5: 1.05 GB, 1: 0.23 GB)")
     ap.add_argument("--repeat", type=int, default=3, help="repetitions of every job (median time reported)")
     ap.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="cProfile each rank's load into _work/prof-*.txt")
