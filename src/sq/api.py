@@ -40,7 +40,8 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
         settings: the algorithm's own settings, named as its config's fields (the same as the
             command line's flags): ``actorder`` for GPTQ; ``iters``, ``lr``, ``batch_size`` for
             SignRound (docs/signround.md).  Their defaults are the config's; a setting the
-            algorithm does not have is refused.
+            algorithm does not have is refused.  Job settings of the command line go here too:
+            ``int_grid="full"`` (``--int-grid``), ``calib_dtype``, ``kv_cache``.
         resume: ``never`` by default -- an in-memory model cannot prove its weights are those of a
             previous attempt; ``auto`` resumes a folder whose run signature matches (same
             architecture, shapes, arguments and calibration data).
@@ -165,7 +166,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     assigner = weights = None
     if not problems:
         try:
-            assigner = make_assigner(scheme, group_size, tuple(ignore), recipe)
+            assigner = make_assigner(scheme, group_size, tuple(ignore), recipe, cfg.int_grid)
             weights = ModelWeights(model, tokenizer)
             cfg = dataclasses.replace(cfg, ep=weights.ep)  # read off the experts' DTensors
         except SqError as e:

@@ -47,6 +47,7 @@ class PTQConfig:
     resume: str = "auto"  # auto | never | require
     kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
     calib_dtype: str = "auto"  # auto | float32 | model | mixed: what calibration forwards compute in (sq.probe)
+    int_grid: str = "standard"  # standard | full: the grid of symmetric int schemes (QuantScheme.int_grid)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     verify_source: str = "stat"  # stat | content: how the resume signature and the ranks identify source shards
     allow_unmatched: bool = False  # --ignore patterns / recipe rules matching no module: warned about, not refused
@@ -90,7 +91,7 @@ class PTQConfig:
             out.append(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         out += check_patterns(self.ignore, ignore_label)  # bounded matching time: sq.patterns
         try:
-            make_assigner(self.scheme, self.group_size, (), None)
+            make_assigner(self.scheme, self.group_size, (), None, self.int_grid)
         except SqError as e:
             out += e.problems
         return out
@@ -128,9 +129,10 @@ class PTQConfig:
         # the recipe's content (rules and the resolved assignment) is in the signature, not its path;
         # skip_nonfinite decides only what happens to a non-finite weight, which refuses the run
         # without it: a rerun that adds the flag continues the blocks already done
-        # allow_unmatched only decides whether a pattern that matches nothing is refused
+        # allow_unmatched only decides whether a pattern that matches nothing is refused; int_grid is in
+        # the schemes (a scheme names its grid), where it is kept out while standard
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite",
-                  "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched"):
+                  "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched", "int_grid"):
             d.pop(k)
         if not calibrated:
             for k in CALIBRATION_FIELDS:

@@ -34,6 +34,7 @@ def build_parser() -> ArgParser:
 
     from sq.quant.algorithms import add_arguments, algorithm_names
     from sq.config import CALIB_DTYPES, PTQConfig
+    from sq.formats.schemes import INT_GRIDS
 
     # the job's defaults are PTQConfig's (written once); the algorithm's, its config's
     job_algo = PTQConfig.__dataclass_fields__["algo"].default_factory.name
@@ -86,6 +87,11 @@ def build_parser() -> ArgParser:
                         "model, or mixed (float32 weights and residual stream, matmuls and attention autocast to "
                         "the model's half dtype; SignRound only); weights keep the checkpoint's dtype (part of the "
                         "resume signature)")
+    p.add_argument("--int-grid", default=job["int_grid"], choices=INT_GRIDS,
+                   help="the grid of symmetric integer schemes: standard (compressed-tensors' and "
+                        "llm-compressor's: scale = absmax / 7.5 for int4) or full (auto-round's: each group's "
+                        "larger-magnitude extreme lands on -8, so the scale is signed; lower weight error, "
+                        "other bits than llm-compressor's); a recipe's scheme may name its own int_grid")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
@@ -119,6 +125,7 @@ def parse_args(argv=None, with_model_free: bool = False):
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
                      skip_nonfinite=a.skip_nonfinite, allow_unmatched=a.allow_unmatched, verify_source=a.verify_source,
                      trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache, calib_dtype=a.calib_dtype,
+                     int_grid=a.int_grid,
                      fault=os.environ.get("SQ_FAULT"))
     return (cfg, a.model_free) if with_model_free else cfg
 

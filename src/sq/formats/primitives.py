@@ -222,6 +222,9 @@ class QuantSpec:
     qtype: QType
     scale_dtype: torch.dtype | str | None = None  # None | a float dtype | E8M0
     global_scale: bool = False
+    # symmetric int: each group's larger-magnitude extreme lands on qmin (auto-round's "full range";
+    # the scale carries that extreme's sign) instead of absmax / ((qmax - qmin) / 2)
+    full_range: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.granularity, (PerTensor, PerChannel, PerGroup, PerBlock)):
@@ -235,6 +238,9 @@ class QuantSpec:
             raise ValueError(f"scale_dtype must be None, a float dtype or {E8M0!r}, got {self.scale_dtype!r}")
         if self.global_scale and (_spans_rows(self.granularity) or not self.qtype.symmetric):
             raise ValueError("a global scale sits over symmetric per-channel or per-group scales")
+        if self.full_range and (self.qtype.kind != "int" or not self.qtype.symmetric or self.global_scale
+                                or self.scale_dtype is not None):
+            raise ValueError("the full-range grid is for symmetric int values under plain scales")
 
 
 @dataclass
@@ -454,7 +460,8 @@ def choose_qparams(x: Tensor, spec: QuantSpec, *, stats: Mapping[str, Tensor] | 
 
     The library's ``calculate_qparams`` step by step: the range includes 0; symmetric
     ``scale = absmax / ((qmax - qmin) / 2)`` (``/ 7.5`` for int4, ``/ 448`` for fp8, ``/ 6`` for
-    fp4) or the e8m0 power of two; asymmetric ``scale = (max - min) / (qmax - qmin)``,
+    fp4) or the e8m0 power of two (``full_range``: the group's larger-magnitude extreme over ``qmin``,
+    signed, not the library's); asymmetric ``scale = (max - min) / (qmax - qmin)``,
     ``zp = clamp(round(qmin - min / scale))``; times the global scale; rounded through the scale
     type; a zero scale becomes the scale type's eps.  Computed in ``x.dtype``.
 
@@ -479,7 +486,14 @@ def choose_qparams(x: Tensor, spec: QuantSpec, *, stats: Mapping[str, Tensor] | 
     bit_min = torch.tensor(qt.qmin, device=x.device)
     bit_range = torch.tensor(qt.qmax, device=x.device) - bit_min
 
-    if qt.symmetric:
+    if qt.symmetric and spec.full_range:
+        # the larger-magnitude extreme lands on qmin (-8 for int4: the grid's one extra code): the
+        # scale is that extreme / qmin, so negative when it is the positive one (a tie: negative, as
+        # auto-round); min <= 0 <= max, so an all-zero group gives -0.0 and takes the eps below
+        neg, pos = -min_vals, max_vals
+        scales = torch.where(neg > pos, neg, -pos) / (-bit_min).to(pos.dtype)
+        zero_points = None
+    elif qt.symmetric:
         max_val_pos = torch.max(torch.abs(min_vals), torch.abs(max_vals))
         if spec.scale_dtype == E8M0:
             scales = e8m0_scale(max_val_pos, qt)

@@ -50,6 +50,7 @@ scales, is their format's declaration (``specs.required_reductions`` /
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,8 @@ __all__ = [
     "check_group_size",
     "to_compressed_tensors",
     "format_name",
+    "with_int_grid",
+    "INT_GRIDS",
 ]
 
 _TYPES = ("int", "float")
@@ -76,7 +79,8 @@ _GROUPED = ("group", "tensor_group")
 _SCALE_DTYPES = tuple(k for k in specs.SCALE_DTYPES if k is not None)
 # optional fields: left out of ``to_dict`` while None, so a scheme that does not use them keeps the
 # resume signature it has without them
-_OPTIONAL = ("block_structure", "scale_dtype")
+_OPTIONAL = ("block_structure", "scale_dtype", "int_grid")
+INT_GRIDS = ("standard", "full")
 _ACTIVATIONS = tuple(specs.ACTIVATIONS)
 
 
@@ -99,6 +103,10 @@ class QuantScheme(DictConfig):
     activations: str = "none"  # a key of specs.ACTIVATIONS
     block_structure: tuple[int, int] | None = None  # (rows, cols), "block" only
     scale_dtype: str | None = None  # None (the weight's dtype) | "float8_e4m3fn" | "e8m0"
+    # symmetric int only: None, compressed-tensors' grid (scale = absmax / 7.5 for int4, codes -7.5..7.5
+    # rounded into -8..7); "full", auto-round's (the larger-magnitude extreme of each group lands on -8:
+    # scale = that extreme / -qmin, negative when it is the positive one), sq.formats.primitives
+    int_grid: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -117,6 +125,14 @@ class QuantScheme(DictConfig):
         if isinstance(self.num_bits, bool) or not isinstance(self.num_bits, int):
             raise ValueError(f"scheme {self.name}: num_bits must be an int, got {self.num_bits!r}")
         self._check_block_and_scale()
+        if self.int_grid == "standard":  # the default spelled out: stored as None (signatures unchanged)
+            object.__setattr__(self, "int_grid", None)
+        if self.int_grid is not None:
+            if self.int_grid not in INT_GRIDS:
+                raise ValueError(f"scheme {self.name}: int_grid must be one of {INT_GRIDS}, got {self.int_grid!r}")
+            if self.type != "int" or not self.symmetric:
+                raise ValueError(f"scheme {self.name}: int_grid 'full' is a symmetric integer grid; this scheme is "
+                                 f"{'symmetric' if self.symmetric else 'asymmetric'} {self.type}")
         if self.strategy in _GROUPED:
             if (
                 isinstance(self.group_size, bool)
@@ -245,6 +261,15 @@ def get_scheme(name: str, group_size: int = 128) -> QuantScheme:
     if key in SCHEME_NAMES:
         return _presets(group_size)[key]
     return _serving_presets(group_size if key in _GROUP_PRESETS else 128)[key]
+
+
+def with_int_grid(scheme: QuantScheme | None, int_grid: str) -> QuantScheme | None:
+    """``scheme`` on ``int_grid`` (``--int-grid``) where it is a symmetric integer scheme that names no grid
+    of its own; every other scheme (and None) as it is."""
+    if (scheme is None or int_grid == "standard" or scheme.type != "int" or not scheme.symmetric
+            or scheme.int_grid is not None):
+        return scheme
+    return dataclasses.replace(scheme, int_grid=int_grid)
 
 
 def check_group_size(layer_name: str, in_features: int, scheme: QuantScheme) -> None:

@@ -35,6 +35,7 @@ construction, a scheme that no registered format accepts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -311,7 +312,10 @@ def format_for(scheme: SchemeFields) -> Format:
 @functools.lru_cache(maxsize=256)
 def spec_for(scheme: SchemeFields) -> P.QuantSpec:
     """The maths of ``scheme`` (cached: GPTQ asks once per column)."""
-    return _resolve(scheme).spec(scheme)
+    spec = _resolve(scheme).spec(scheme)
+    if getattr(scheme, "int_grid", None) == "full":
+        spec = dataclasses.replace(spec, full_range=True)
+    return spec
 
 
 def _registry_changed() -> None:

@@ -9,7 +9,7 @@ and a default::
       - match: 'self_attn\\.(q|k|v|o)_proj$'
         scheme: W8A16
       - match: 'mlp\\.experts'
-        scheme: {preset: W4A16, group_size: 64}
+        scheme: {preset: W4A16, group_size: 64, int_grid: full}   # int_grid: see --int-grid
       - match: 'mlp\\.down_proj$'
         scheme: null            # not quantized
 
@@ -20,7 +20,9 @@ experts are matched by their experts module, ``model.layers.3.mlp.experts``):
 2. the recipe's rules, in file order, first ``re.search`` match;
 3. the recipe's ``default`` (if the file has no ``default`` key: ``--scheme`` / ``--group-size``).
 
-Without a recipe every module gets ``--scheme`` unless ignored.  The resolved assignment (every
+Without a recipe every module gets ``--scheme`` unless ignored.  ``--int-grid full`` puts every
+symmetric integer scheme that names no ``int_grid`` of its own on the full-range grid
+(``QuantScheme.int_grid``).  The resolved assignment (every
 module -> scheme) is part of the resume signature, so two runs that differ only in bit
 allocation never resume each other.
 
@@ -32,6 +34,7 @@ module (``Assigner.unmatched_problems``; ``--allow-unmatched`` accepts them with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -42,7 +45,7 @@ from typing import Any
 
 from sq.errors import SqError
 from sq.patterns import compile_pattern, pattern_problem
-from sq.formats.schemes import QuantScheme, get_scheme
+from sq.formats.schemes import INT_GRIDS, QuantScheme, get_scheme, with_int_grid
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +152,21 @@ def scheme_tag(s: QuantScheme | None) -> str:
         gran = s.strategy
     scale = "" if s.scale_dtype is None else f"-s:{s.scale_dtype}"
     act = "" if s.activations == "none" else f"-a:{s.activations}"
-    return f"{s.type}{s.num_bits}-{'sym' if s.symmetric else 'asym'}-{gran}{scale}{act}"
+    sym = ("sym" if s.int_grid is None else f"sym{s.int_grid}") if s.symmetric else "asym"
+    return f"{s.type}{s.num_bits}-{sym}-{gran}{scale}{act}"
 
 
-def make_assigner(scheme: str, group_size: int, ignore=(), recipe: str | Path | None = None) -> Assigner:
-    """The CLI's flags (and optional recipe file) -> an ``Assigner``; every problem raised at once."""
+def make_assigner(scheme: str, group_size: int, ignore=(), recipe: str | Path | None = None,
+                  int_grid: str = "standard") -> Assigner:
+    """The CLI's flags (and optional recipe file) -> an ``Assigner``; every problem raised at once.
+    ``int_grid`` (``--int-grid``) applies to every symmetric integer scheme that names no grid itself."""
+    if int_grid not in INT_GRIDS:
+        raise SqError(f"--int-grid must be one of {', '.join(INT_GRIDS)}, got {int_grid!r}")
+    if int_grid != "standard":
+        a = make_assigner(scheme, group_size, ignore, recipe)
+        return Assigner(with_int_grid(a.default, int_grid),
+                        tuple(dataclasses.replace(r, scheme=with_int_grid(r.scheme, int_grid)) for r in a.rules),
+                        a.ignore)
     default = get_scheme(scheme, group_size)
     if recipe is None:
         return Assigner(default, (), tuple(ignore))
@@ -289,10 +302,15 @@ def _parse_scheme(spec, group_size, where: str) -> QuantScheme | None:
         return get_scheme(spec, group_size)
     if isinstance(spec, dict):
         if "preset" in spec:
-            extra = sorted(set(spec) - {"preset", "group_size"})
+            extra = sorted(set(spec) - {"preset", "group_size", "int_grid"})
             if extra:
-                raise SqError(f"{where}: with 'preset' only 'group_size' may be given, not {extra}")
-            return get_scheme(spec["preset"], spec.get("group_size", group_size))
+                raise SqError(f"{where}: with 'preset' only 'group_size' and 'int_grid' may be given, not {extra}")
+            try:
+                scheme = get_scheme(spec["preset"], spec.get("group_size", group_size))
+                # named explicitly: validated (a grid the preset cannot take is refused, not ignored)
+                return dataclasses.replace(scheme, int_grid=spec["int_grid"]) if "int_grid" in spec else scheme
+            except ValueError as e:
+                raise SqError(f"{where}: {e}") from None
         try:
             return QuantScheme.from_dict(spec)
         except (TypeError, ValueError) as e:

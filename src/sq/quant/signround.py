@@ -112,6 +112,8 @@ def _range(wg: Tensor, alpha: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
 
 def _scale(wmin: Tensor, wmax: Tensor, scheme: QuantScheme) -> Tensor:
     span = scheme.qmax - scheme.qmin
+    if scheme.symmetric and scheme.int_grid == "full":  # primitives.choose_qparams' full range, differentiable
+        return torch.where(-wmin > wmax, -wmin, -wmax) / -scheme.qmin
     if scheme.symmetric:
         return torch.maximum(wmin.abs(), wmax) / (span / 2)
     return (wmax - wmin) / span
