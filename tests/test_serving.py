@@ -55,11 +55,13 @@ def served_dir(tmp_path_factory):
 
 
 def _quantize(root, smollm2_ckpt, algo: str, scheme: str):
+    """``scheme``: a preset, ``+full`` for ``--int-grid full``."""
     out = root / f"{algo}-{scheme}"
     if (out / "config.json").is_file():
         return out
+    scheme, _, grid = scheme.partition("+")
     args = ["sq.ptq", "--model", str(smollm2_ckpt), "--output", str(out), "--scheme", scheme, "--algo", algo,
-            "--group-size", "64", *CALIB[algo]]
+            "--group-size", "64", *CALIB[algo], *(["--int-grid", grid] if grid else [])]
     if algo == "gptq":  # the distributed path users run: 2 ranks, each solving its share of every block
         result = run_cli(args, 2, timeout=600)
     else:
@@ -73,6 +75,7 @@ def _quantize(root, smollm2_ckpt, algo: str, scheme: str):
 # in bf16 as they are served; W8A8 and FP8_DYNAMIC run in fp32 (bf16 works too, 2-5x slower on this CPU).
 CASES = [
     ("rtn", "W4A16", "bfloat16", "CompressedTensorsWNA16"),
+    ("rtn", "W4A16+full", "bfloat16", "CompressedTensorsWNA16"),  # --int-grid full: signed scales
     ("rtn", "W4A16_ASYM", "bfloat16", "CompressedTensorsWNA16"),
     ("rtn", "W8A8", "float32", "CompressedTensorsW8A8Int8"),
     ("rtn", "FP8_DYNAMIC", "float32", "CompressedTensorsW8A8Fp8"),
