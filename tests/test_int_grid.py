@@ -141,3 +141,20 @@ def test_model_free_writes_the_pipeline_rtn_bits(checkpoints, outputs, tmp_path)
     mine, pipe = read_tensors(out), read_tensors(outputs / "rtn")
     assert set(mine) == set(pipe)
     assert [k for k in mine if not torch.equal(mine[k], pipe[k])] == []
+
+
+def test_auto_is_the_algorithms_grid():
+    """``--int-grid auto`` (the default): SignRound tunes on auto-round's full grid, as auto-round does;
+    every other algorithm keeps compressed-tensors' grid (the presets stay llm-compressor's bits)."""
+    from sq.config import PTQConfig
+    from sq.ptq import parse_args
+
+    job = dict(model="m", output="o")
+    assert PTQConfig.build(algo="signround", **job).grid == "full"
+    assert PTQConfig.build(algo="signround", int_grid="standard", **job).grid == "standard"
+    for algo in ("rtn", "gptq", "awq"):
+        assert PTQConfig.build(algo=algo, **job).grid == "standard"
+    assert PTQConfig.build(algo="gptq", int_grid="full", **job).grid == "full"
+    assert parse_args(["--model", "m", "--output", "o", "--algo", "signround"]).grid == "full"
+    assert "--int-grid must be one of auto, standard, full" in " ".join(
+        PTQConfig.build(algo="gptq", int_grid="wide", **job).problems())

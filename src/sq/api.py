@@ -166,7 +166,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     assigner = weights = None
     if not problems:
         try:
-            assigner = make_assigner(scheme, group_size, tuple(ignore), recipe, cfg.int_grid)
+            assigner = make_assigner(scheme, group_size, tuple(ignore), recipe, cfg.grid)
             weights = ModelWeights(model, tokenizer)
             cfg = dataclasses.replace(cfg, ep=weights.ep)  # read off the experts' DTensors
         except SqError as e:

@@ -47,7 +47,7 @@ class PTQConfig:
     resume: str = "auto"  # auto | never | require
     kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
     calib_dtype: str = "auto"  # auto | float32 | model | mixed: what calibration forwards compute in (sq.probe)
-    int_grid: str = "standard"  # standard | full: the grid of symmetric int schemes (QuantScheme.int_grid)
+    int_grid: str = "auto"  # auto | standard | full: the grid of symmetric int schemes (QuantScheme.int_grid)
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     verify_source: str = "stat"  # stat | content: how the resume signature and the ranks identify source shards
     allow_unmatched: bool = False  # --ignore patterns / recipe rules matching no module: warned about, not refused
@@ -91,10 +91,17 @@ class PTQConfig:
             out.append(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         out += check_patterns(self.ignore, ignore_label)  # bounded matching time: sq.patterns
         try:
-            make_assigner(self.scheme, self.group_size, (), None, self.int_grid)
+            make_assigner(self.scheme, self.group_size, (), None, self.grid)
         except SqError as e:
             out += e.problems
         return out
+
+    @property
+    def grid(self) -> str:
+        """``int_grid`` resolved: ``auto`` is the algorithm's (``AlgoConfig.default_int_grid``)."""
+        if self.int_grid == "auto" and isinstance(self.algo, AlgoConfig):
+            return self.algo.default_int_grid
+        return self.int_grid
 
     def data_reason(self, assigner) -> str | None:
         """Why the job reads calibration data (None: it does not): a data-driven algorithm, a scheme

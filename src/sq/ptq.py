@@ -87,11 +87,12 @@ def build_parser() -> ArgParser:
                         "model, or mixed (float32 weights and residual stream, matmuls and attention autocast to "
                         "the model's half dtype; SignRound only); weights keep the checkpoint's dtype (part of the "
                         "resume signature)")
-    p.add_argument("--int-grid", default=job["int_grid"], choices=INT_GRIDS,
+    p.add_argument("--int-grid", default=job["int_grid"], choices=("auto", *INT_GRIDS),
                    help="the grid of symmetric integer schemes: standard (compressed-tensors' and "
-                        "llm-compressor's: scale = absmax / 7.5 for int4) or full (auto-round's: each group's "
+                        "llm-compressor's: scale = absmax / 7.5 for int4), full (auto-round's: each group's "
                         "larger-magnitude extreme lands on -8, so the scale is signed; lower weight error, "
-                        "other bits than llm-compressor's); a recipe's scheme may name its own int_grid")
+                        "other bits than llm-compressor's), or auto (full for --algo signround, as auto-round; "
+                        "standard otherwise); a recipe's scheme may name its own int_grid")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")

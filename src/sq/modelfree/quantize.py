@@ -248,7 +248,7 @@ def wanted(cfg, model_free: bool) -> bool:
     try:
         src = resolve_model_dist(cfg.model)
         raw = read_config(src)
-        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.int_grid)
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.grid)
     except SqError:
         return False  # the model path names the problem
     model_type = raw.get("model_type")
@@ -270,7 +270,7 @@ def _prepare(cfg):
     problems = list(cfg.problems())
     assigner = None
     try:
-        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.int_grid)
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.grid)
     except SqError as e:
         problems += e.problems
     if assigner is not None:

@@ -75,7 +75,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     raise_all(cfg.problems(), "argument checks")
     assigner, problems = None, []
     try:
-        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.int_grid)
+        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.grid)
     except SqError as e:
         problems += e.problems
     raise_all(problems, "recipe checks")

@@ -161,7 +161,7 @@ def make_assigner(scheme: str, group_size: int, ignore=(), recipe: str | Path | 
     """The CLI's flags (and optional recipe file) -> an ``Assigner``; every problem raised at once.
     ``int_grid`` (``--int-grid``) applies to every symmetric integer scheme that names no grid itself."""
     if int_grid not in INT_GRIDS:
-        raise SqError(f"--int-grid must be one of {', '.join(INT_GRIDS)}, got {int_grid!r}")
+        raise SqError(f"--int-grid must be one of auto, {', '.join(INT_GRIDS)}, got {int_grid!r}")
     if int_grid != "standard":
         a = make_assigner(scheme, group_size, ignore, recipe)
         return Assigner(with_int_grid(a.default, int_grid),

@@ -25,6 +25,8 @@ class AlgoConfig(DictConfig):
 
     name: ClassVar[str] = ""
     version: ClassVar[int] = 1
+    # the integer grid of symmetric int schemes under --int-grid auto (sq.formats.schemes.INT_GRIDS)
+    default_int_grid: ClassVar[str] = "standard"
 
     def problems(self) -> list[str]:
         """Refusals of the settings themselves (identical on every rank)."""
