@@ -158,3 +158,20 @@ def test_auto_is_the_algorithms_grid():
     assert parse_args(["--model", "m", "--output", "o", "--algo", "signround"]).grid == "full"
     assert "--int-grid must be one of auto, standard, full" in " ".join(
         PTQConfig.build(algo="gptq", int_grid="wide", **job).problems())
+
+
+def test_a_reported_error_never_goes_negative_in_bf16():
+    """The report's output error ``e^T H e`` is computed with bf16 operands where the forwards are bf16;
+    bf16's rounding can make a positive definite H indefinite (here: 1, 0.9945, 0.99 rounds to 1,
+    0.99609375, 0.98828125) and an error along its weak direction then comes out negative (a GPTQ run of
+    SmolLM2 on the full-range grid stopped on math.sqrt of one): such a term is computed again in
+    float32."""
+    from sq.pipeline.blocks import _err_terms
+
+    H = torch.tensor([[1.0, 0.9945], [0.9945, 0.99]], dtype=torch.float64)
+    w = torch.tensor([[0.5, 0.5]])
+    e = torch.tensor([[0.25, -0.25]])
+    num, den = _err_terms(w, [w - e], H, {}, torch.bfloat16)
+    want = float(e.double() @ H @ e.double().T)
+    assert num == pytest.approx(want, rel=1e-3) and num > 0
+    assert den == pytest.approx(float(w.double() @ H @ w.double().T), rel=1e-2)

@@ -83,24 +83,28 @@ def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weig
 
 
 def _err_terms(w: torch.Tensor, deqs: list[torch.Tensor], H: torch.Tensor | None,
-               h_cast: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> list[float]:
+               h_cast: dict[tuple, torch.Tensor], dtype: torch.dtype = torch.float32) -> list[float]:
     """``[num, den] * len(deqs)``: each dequantization's squared error and the weight's squared norm,
     through ``H`` when given (else in weight space), for this rank's rows.  A report's number: the
     stacked ``[w; w - deq...]`` rows in ``dtype`` (bf16 where the forwards are: ``w - deq`` of two
     nearby bf16 values is mostly exact), one product with ``H`` (cast once per Hessian into
     ``h_cast``, shared by the Linears that share it), each row's quadratic form summed in float32,
     the rows in float64 (gate/up's 1536 x 576 rows of a SmolLM2 rank: 6 ms, against 31 ms all in
-    float32; the same numbers to 4 digits)."""
+    float32; the same numbers to 4 digits).  A quadratic form that bf16's rounding leaves negative (an
+    error small against H's large entries: seen on SmolLM2 under the full-range grid) is computed
+    again in float32."""
     wd = w.to(dtype)
     a = torch.cat([wd, *(wd - d.to(dtype) for d in deqs)])
     if H is not None:
-        hc = h_cast.get(id(H))
+        hc = h_cast.get((id(H), dtype))
         if hc is None:
-            hc = h_cast[id(H)] = H.to(dtype)
+            hc = h_cast[(id(H), dtype)] = H.to(dtype)
         b = a @ hc
     else:
         b = a
     parts = (b * a).sum(dim=1, dtype=torch.float32).view(1 + len(deqs), -1).sum(dim=1, dtype=torch.float64).tolist()
+    if dtype != torch.float32 and min(parts) < 0:
+        return _err_terms(w, deqs, H, h_cast, torch.float32)
     return [x for num in parts[1:] for x in (num, parts[0])]
 
 
@@ -320,7 +324,7 @@ class _Pipeline:
         """This rank's rows of every target -> data; the dequantized rows go back into the shard."""
         results: dict[str, tuple[Solved, list[float]]] = {}
         compare = self.algo.calibrated  # a data-driven algorithm's report shows RTN's error beside its own
-        h_cast: dict[int, torch.Tensor] = {}
+        h_cast: dict[tuple, torch.Tensor] = {}
         # the report's products through H in bfloat16 where the forwards compute in it (by default on
         # GPU and on a CPU with AMX): ~1e-3 relative on a reported error
         err_dtype = torch.bfloat16 if work.inputs and work.inputs[0][0].dtype == torch.bfloat16 else torch.float32
@@ -356,10 +360,11 @@ class _Pipeline:
             terms = torch.tensor([results[l.name][1] for l in work.linears], dtype=torch.float64)
             dist.all_reduce(terms)
             for l, row in zip(work.linears, terms.tolist()):
-                entry = {"rel_err": math.sqrt(row[0] / row[1]) if row[1] > 0 else 0.0,
+                # (max: a report's number must never stop the job, whatever a rounding did)
+                entry = {"rel_err": math.sqrt(max(row[0], 0.0) / row[1]) if row[1] > 0 else 0.0,
                          "metric": self.algo.error_metric, "scheme": scheme_tag(l.scheme)}
                 if len(row) > 2:
-                    entry["rtn_rel_err"] = math.sqrt(row[2] / row[3]) if row[3] > 0 else 0.0
+                    entry["rtn_rel_err"] = math.sqrt(max(row[2], 0.0) / row[3]) if row[3] > 0 else 0.0
                 self.stats.layers[l.name] = entry
         if work.experts:
             every = [None] * self.world
