@@ -20,7 +20,6 @@ import torch
 from harness import run_ranks
 from quant_ref import fake_quantized_reference, load_any, quantize_jobs, read_tensors
 from sq.errors import SqError
-from sq.formats import primitives
 from sq.formats.schemes import QuantScheme, get_scheme, with_int_grid
 from sq.formats.specs import spec_for
 from sq.quant import rtn
