@@ -170,8 +170,11 @@ def test_signround_under_auto_is_mixed_or_float32(bf16, tmp_path, monkeypatch):
     run("auto-half", "mixed")
     cached.write_text(json.dumps({"half": 1.0, "float32": 0.5}))
     run("auto-float32", "float32")
-    speed = json.loads((tmp_path / "auto-half" / "sq_report.json").read_text())["speed"]
+    report = json.loads((tmp_path / "auto-half" / "sq_report.json").read_text())
+    speed = report["speed"]
     assert speed["why"] == "probe" and speed["calib_dtype"] == "mixed" and speed["autocast"] == "bfloat16"
+    for r in report["ranks"]:  # the machine beside the timings: recorded, never a rule
+        assert r["machine"]["cores"] >= 1 and r["machine"]["cpu"] and r["machine"]["torch_cpu_capability"]
     speed = json.loads((tmp_path / "auto-float32" / "sq_report.json").read_text())["speed"]
     assert speed["why"] == "probe" and speed["calib_dtype"] == "float32"
     assert _same_bits(tmp_path / "auto-half", tmp_path / "mixed") == []

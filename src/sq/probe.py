@@ -32,7 +32,10 @@ from sq.files import default_cache_dir, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Choice", "calib_dtype_choice", "time_linears"]
+__all__ = ["Choice", "calib_dtype_choice", "machine", "time_linears"]
+
+# CPU flags recorded beside a run's timings (docs/benchmarks.md names machines by them); never a rule
+_RECORDED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "fma")
 
 PROBE_TOKENS = 512  # rows of the probe's activations (a calibration forward's GEMMs are this wide or wider)
 MAX_WIDTH = 2048  # a shape's sides are cut to this: the speed ratio is the same, the probe stays under ~1 s
@@ -85,6 +88,29 @@ def time_linears(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torc
         if r:
             best = min(best, time.perf_counter() - t)
     return best
+
+
+def machine() -> dict:
+    """What this rank runs on, for the report beside its timings: the CPU's model and core count, the
+    matrix-relevant ISA flags, torch's CPU capability, the GPU's name.  Recorded only: no choice reads it."""
+    out: dict = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                 "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read(1 << 16)
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and out["cpu"] in ("", "x86_64", platform.machine()):
+            out["cpu"] = value.strip()
+        elif key.strip() == "flags":
+            have = set(value.split())
+            out["flags"] = [f for f in _RECORDED_FLAGS if f in have]
+            break
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
 
 
 def _cache_file(shapes, dtype: torch.dtype, device: torch.device):

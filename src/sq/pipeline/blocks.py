@@ -65,7 +65,7 @@ from sq.quant.experts import (
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
-from sq.probe import Choice, calib_dtype_choice
+from sq.probe import Choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 
@@ -457,7 +457,7 @@ class _Pipeline:
             self.run.fragments.update(writer.write_tensors(self.out, shard_name(0, None), root))
             self.run.fragments.update(weights.write_extras(self.out))
         mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": _peak_gpu(self.device),
-                "blocks": self.stats.blocks}
+                "machine": machine(), "blocks": self.stats.blocks}
         all_frags, _, all_mine = self.run.gather(mine)
 
         def final() -> dict:  # rank 0: config, side files, report and (last) the index
