@@ -136,7 +136,6 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     from sq.files import sha256_bytes
     from sq.config import PTQConfig
     from sq.pipeline.blocks import run_pipeline
-    from sq.quant.recipe import make_assigner
     from sq.pipeline.weights import ModelWeights
 
     t_start = time.perf_counter()
@@ -166,7 +165,7 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     assigner = weights = None
     if not problems:
         try:
-            assigner = make_assigner(scheme, group_size, tuple(ignore), recipe, cfg.grid)
+            assigner = cfg.assigner()
             weights = ModelWeights(model, tokenizer)
             cfg = dataclasses.replace(cfg, ep=weights.ep)  # read off the experts' DTensors
         except SqError as e:

@@ -103,6 +103,11 @@ class PTQConfig:
             return self.algo.default_int_grid
         return self.int_grid
 
+    def assigner(self):
+        """Which scheme each module gets (``sq.quant.recipe.make_assigner``) from the job's scheme flags,
+        ``--ignore``, ``--recipe`` and ``--int-grid``; raises ``SqError`` naming every problem."""
+        return make_assigner(self.scheme, self.group_size, self.ignore, self.recipe, self.grid)
+
     def data_reason(self, assigner) -> str | None:
         """Why the job reads calibration data (None: it does not): a data-driven algorithm, a scheme
         with static activation scales, or a calibrated KV cache."""

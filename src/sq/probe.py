@@ -93,29 +93,29 @@ def time_linears(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torc
 def machine() -> dict:
     """What this rank runs on, for the report beside its timings: the CPU's model and core count, the
     matrix-relevant ISA flags, torch's CPU capability, the GPU's name.  Recorded only: no choice reads it."""
-    out: dict = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                 "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
     try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read(1 << 16)
+        with open("/proc/cpuinfo") as f:  # the first processor's entries are every processor's
+            first = f.read(1 << 16).split("\n\n", 1)[0]
     except OSError:
-        info = ""
-    for line in info.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and out["cpu"] in ("", "x86_64", platform.machine()):
-            out["cpu"] = value.strip()
-        elif key.strip() == "flags":
-            have = set(value.split())
-            out["flags"] = [f for f in _RECORDED_FLAGS if f in have]
-            break
+        first = ""
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    out: dict = {"cpu": info.get("model name") or _processor(), "cores": os.cpu_count(),
+                 "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if "flags" in info:
+        have = set(info["flags"].split())
+        out["flags"] = [f for f in _RECORDED_FLAGS if f in have]
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
     return out
 
 
+def _processor() -> str:
+    return platform.processor() or platform.machine()
+
+
 def _cache_file(shapes, dtype: torch.dtype, device: torch.device):
     key = json.dumps({"shapes": sorted(shapes), "dtype": str(dtype), "torch": torch.__version__,
-                      "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+                      "threads": torch.get_num_threads(), "machine": _processor(),
                       "node": platform.node(), "device": str(device.type), "tokens": PROBE_TOKENS})
     return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 

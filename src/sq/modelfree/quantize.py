@@ -39,7 +39,6 @@ from sq.modelfree.plan import (
 )
 from sq.modelfree.reader import ReadAhead, Reader
 from sq.quant import rtn
-from sq.quant.recipe import make_assigner
 from sq.quant.rtn import rtn_codes
 from sq.report import block_progress
 from sq.resume import source_identity
@@ -248,7 +247,7 @@ def wanted(cfg, model_free: bool) -> bool:
     try:
         src = resolve_model_dist(cfg.model)
         raw = read_config(src)
-        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.grid)
+        assigner = cfg.assigner()
     except SqError:
         return False  # the model path names the problem
     model_type = raw.get("model_type")
@@ -270,7 +269,7 @@ def _prepare(cfg):
     problems = list(cfg.problems())
     assigner = None
     try:
-        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.grid)
+        assigner = cfg.assigner()
     except SqError as e:
         problems += e.problems
     if assigner is not None:

@@ -33,7 +33,6 @@ from sq.parallel.fsdp import apply_parallel
 from sq.pipeline.blocks import run_pipeline
 from sq.pipeline.weights import CheckpointWeights
 from sq.quant.algorithms import make_algorithm
-from sq.quant.recipe import make_assigner
 from sq.resolve import resolve_model_dist
 from sq.run import raise_all
 
@@ -75,7 +74,7 @@ def quantize_model(cfg: PTQConfig) -> dict:
     raise_all(cfg.problems(), "argument checks")
     assigner, problems = None, []
     try:
-        assigner = make_assigner(cfg.scheme, cfg.group_size, cfg.ignore, cfg.recipe, cfg.grid)
+        assigner = cfg.assigner()
     except SqError as e:
         problems += e.problems
     raise_all(problems, "recipe checks")
