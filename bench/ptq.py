@@ -17,7 +17,8 @@ measured before anything else shares the CPU):
   gptq_w1     python -m sq.ptq (world 1), OMP_NUM_THREADS=1, --algo gptq  (speed-up reference)
   eval_fp     python -m sq.eval --model demo:smollm2
   eval_rtn_w2, eval_gptq_w2, eval_gptq_w1   python -m sq.eval --model OUTPUT
-Opt-in: gptqoff_w2, eval_gptqoff_w2   the same with --actorder off (natural column order).
+Opt-in: gptqoff_w2, eval_gptqoff_w2   the same with --actorder off (natural column order);
+SignRound / GPTAQ rows (SIGNROUND, GPTAQ below).
 
 Each run appends one JSON line to ``bench/_work/ptq/results.jsonl``: command, wall seconds
 (subprocess start to exit), the report's own seconds, per-rank peak RSS, rank 0's per-block
@@ -51,13 +52,22 @@ RUNS = ("rtn_w2", "gptq_w2", "gptq_w1", "eval_fp", "eval_rtn_w2", "eval_gptq_w2"
 # opt-in: GPTQ in natural column order (--actorder off; the driver's default before c1c0d7c);
 # SignRound at 4 and 3 bits with RTN / GPTQ at 3 bits beside it (same calibration and evaluation)
 SIGNROUND = ("sr4_w2", "rtn3_w2", "gptq3_w2", "sr3_w2", "eval_sr4_w2", "eval_rtn3_w2", "eval_gptq3_w2", "eval_sr3_w2")
-EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND)
+# GPTAQ beside GPTQ at 4, 3 and 2 bits (its default, the paper's "later" fit, and a smaller weight)
+GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaq3_w2", "gptq2_w2", "gptaq2_w2",
+         "eval_gptaq_w2", "eval_gptaqlater_w2", "eval_gptaq01_w2", "eval_gptaq3_w2", "eval_gptq2_w2", "eval_gptaq2_w2")
+EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptqoff": ("gptq", ["--actorder", "off"]),
     "sr4": ("signround", ["--iters", "50"]),
     "sr3": ("signround", ["--iters", "50", "--scheme", "W3A16"]),
     "rtn3": ("rtn", ["--scheme", "W3A16"]),
     "gptq3": ("gptq", ["--scheme", "W3A16"]),
+    "gptq2": ("gptq", ["--scheme", "W2A16"]),
+    "gptaq": ("gptaq", []),
+    "gptaqlater": ("gptaq", ["--gptaq-fit", "later"]),
+    "gptaq01": ("gptaq", ["--gptaq-alpha", "0.1"]),
+    "gptaq3": ("gptaq", ["--scheme", "W3A16"]),
+    "gptaq2": ("gptaq", ["--scheme", "W2A16"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
@@ -183,7 +193,10 @@ def table(recs: dict[str, dict]) -> str:
         lines.append(f"| fp (demo:smollm2, bf16 weights, fp32 eval) | - | - | - | - | - | {fp:.2f} | 1.00 |")
     for run, label in (("rtn_w2", "sq RTN"), ("gptq_w2", "sq GPTQ"), ("gptq_w1", "sq GPTQ"),
                        ("gptqoff_w2", "sq GPTQ --actorder off"), ("sr4_w2", "sq SignRound 50 iters"),
-                       ("rtn3_w2", "sq RTN W3"), ("gptq3_w2", "sq GPTQ W3"), ("sr3_w2", "sq SignRound 50 iters W3")):
+                       ("rtn3_w2", "sq RTN W3"), ("gptq3_w2", "sq GPTQ W3"), ("sr3_w2", "sq SignRound 50 iters W3"),
+                       ("gptaq_w2", "sq GPTAQ"), ("gptaqlater_w2", "sq GPTAQ --gptaq-fit later"),
+                       ("gptaq01_w2", "sq GPTAQ --gptaq-alpha 0.1"), ("gptaq3_w2", "sq GPTAQ W3"),
+                       ("gptq2_w2", "sq GPTQ W2"), ("gptaq2_w2", "sq GPTAQ W2")):
         q = recs.get(run)
         if not q:
             continue

@@ -229,7 +229,7 @@ class _Pipeline:
             work.acts, observed_out = self._observe_activations(work)
             phase["observe"] = time.perf_counter() - t
             t = time.perf_counter()
-        if self.algo.fp_chain:  # capture: the full-precision outputs are the algorithm's targets
+        if self.algo.fp_chain and not self.algo.pairs_chains:  # the full-precision outputs: the algorithm's targets
             work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy, autocast=self.autocast)
         if self.algo.calibrated:
             self.algo.observe(work)

@@ -208,3 +208,30 @@ def block_forward(block: nn.Module, inputs, steps: int, dummy, counters=(), auto
             if real:
                 outs.append(y.detach())
     return outs
+
+
+def paired_forward(block: nn.Module, fp_inputs, inputs, steps: int, dummy, capture, counters=(),
+                   autocast: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Each batch through ``block`` twice, the full-precision chain's then the quantized chain's: the
+    first with ``capture.capturing`` set (it keeps what it needs of that pass), the second with the
+    ``counters`` on (they read what ``capture`` kept: the same tokens on both chains, one batch held at a
+    time).  Returns the full-precision outputs; ranks pad with ``dummy`` as ``block_forward``."""
+    outs = []
+    with torch.no_grad(), unsharded(block), autocast_to(autocast, dummy[0].device):
+        for i in range(steps):
+            real = i < len(inputs)
+            for c in counters:
+                c.on = False
+            capture.capturing = True
+            hidden, kw = fp_inputs[i] if real else dummy
+            y = block(hidden, **block_kwargs(kw, block))
+            capture.capturing = False
+            for c in counters:
+                c.on = real
+            hidden, kw = inputs[i] if real else dummy
+            block(hidden, **block_kwargs(kw, block))
+            capture.release()
+            if real:
+                outs.append((y[0] if isinstance(y, tuple) else y).detach())
+    return outs
+

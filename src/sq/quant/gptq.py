@@ -69,7 +69,7 @@ from sq.formats.specs import spec_for
 from sq.quant.settings import AlgoConfig, option
 from sq.formats.schemes import QuantScheme, check_group_size
 
-__all__ = ["GPTQ", "GPTQConfig", "GPTQResult"]
+__all__ = ["GPTQ", "GPTQConfig", "GPTAQConfig", "GPTQResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,32 @@ class GPTQConfig(AlgoConfig):
 
 
 
+GPTAQ_FITS = ("all", "later")
+
+
+@dataclass(frozen=True)
+class GPTAQConfig(GPTQConfig):
+    """GPTQ's settings plus GPTAQ's: each Linear is fitted to the full-precision model's outputs
+    (its inputs on the full-precision chain) instead of to its own outputs on the quantized chain
+    (``_asymmetric_map``).  ``gptaq_alpha`` weighs the correction (the GPTAQ paper's 0.25)."""
+
+    name = "gptaq"
+
+    gptaq_alpha: float = option(0.25, "weight of the correction toward the full-precision model's outputs "
+                                      "(0 = plain GPTQ)")
+    gptaq_fit: str = option("all", "what fits the full-precision outputs' drift: all (the least-squares "
+                                   "correction over every input) or later (the GPTAQ paper's: each input's "
+                                   "drift by the inputs after it)", choices={f: f for f in ("all", "later")})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        a = self.gptaq_alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
+            raise ValueError(f"gptaq_alpha must be a finite number >= 0, got {a!r}")
+        if self.gptaq_fit not in GPTAQ_FITS:
+            raise ValueError(f"gptaq_fit must be one of {', '.join(GPTAQ_FITS)}, got {self.gptaq_fit!r}")
+
+
 @dataclass
 class GPTQResult:
     """Quantized rows of one weight, as data (nothing is applied to a module)."""
@@ -198,6 +224,9 @@ class GPTQ:
         self.in_features = in_features
         self._H: Tensor | None = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self._upper = False  # only the upper block triangle of _H is current (see add_batch)
+        # GPTAQ: sum (x_fp - x)^T x over the same tokens, where the full-precision chain's inputs were
+        # given (add_batch's x_fp); None: GPTQ's symmetric objective
+        self.D: Tensor | None = None
         self.nsamples = 0  # tokens seen (rows of the flattened inputs)
         self._prepared: _Prepared | None = None
 
@@ -220,25 +249,39 @@ class GPTQ:
         self._H, self._upper = value, False
 
     @classmethod
-    def from_hessian(cls, H: Tensor, nsamples: int) -> GPTQ:
-        """Wrap an already-summed ``H = sum x^T x`` (e.g. all-reduced across ranks)."""
+    def from_hessian(cls, H: Tensor, nsamples: int, D: Tensor | None = None) -> GPTQ:
+        """Wrap an already-summed ``H = sum x^T x`` (e.g. all-reduced across ranks), and GPTAQ's
+        ``D = sum (x_fp - x)^T x`` over the same tokens where there is one."""
         if H.ndim != 2 or H.shape[0] != H.shape[1]:
             raise SqError(f"Hessian must be square, got shape {tuple(H.shape)}")
+        if D is not None and D.shape != H.shape:
+            raise SqError(f"GPTAQ's cross term has shape {tuple(D.shape)}, the Hessian {tuple(H.shape)}")
         g = cls.__new__(cls)
         g.in_features = H.shape[0]
         g.H = H
+        g.D = D
         g.nsamples = int(nsamples)
         g._prepared = None
         return g
 
     @torch.no_grad()
-    def add_batch(self, x: Tensor) -> None:
-        """Accumulate inputs: ``x [samples, tokens, in]`` (a calibration batch) or ``x [tokens, in]``."""
+    def add_batch(self, x: Tensor, x_fp: Tensor | None = None) -> None:
+        """Accumulate inputs: ``x [samples, tokens, in]`` (a calibration batch) or ``x [tokens, in]``.
+
+        ``x_fp`` (GPTAQ): the same tokens' inputs on the full-precision chain, for the cross term
+        ``D += (x_fp - x)^T x`` (per sample in float32, summed in float64 like ``H``); given for every
+        batch or for none."""
         if self._H is None:
             raise RuntimeError("GPTQ.add_batch after free()")
         if x.shape[-1] != self.in_features:
             raise SqError(f"GPTQ input width {x.shape[-1]} != in_features {self.in_features}")
+        if (x_fp is None) != (self.D is None) and self.nsamples:
+            raise RuntimeError("GPTQ.add_batch: full-precision inputs given for some batches only")
         self._prepared = None
+        if x_fp is not None:
+            if x_fp.shape != x.shape:
+                raise SqError(f"GPTAQ: full-precision inputs {tuple(x_fp.shape)} != inputs {tuple(x.shape)}")
+            self._add_cross(x, x_fp)
         if x.dim() >= 3:
             # [samples, tokens, in]: each sample's x^T x in float32 (2-5x faster than float64 on CPU),
             # summed in float64.  A sample's product does not depend on which rank or batch holds it,
@@ -264,6 +307,18 @@ class GPTQ:
         H.addmm_(x.T, x)  # H += x^T x, a token set (e.g. an expert's routed tokens): float64
         self.nsamples += x.shape[0]
 
+    def _add_cross(self, x: Tensor, x_fp: Tensor) -> None:
+        """``D += (x_fp - x)^T x``, a sample at a time in float32 (the difference of two inputs is not
+        a bf16 value: no bf16 operands here), summed in float64."""
+        n = self.in_features
+        if self.D is None:
+            self.D = torch.zeros(n, n, dtype=torch.float64, device=self._H.device)
+        xs = x.reshape(-1, x.shape[-2] if x.dim() >= 3 else x.shape[0], n)
+        fs = x_fp.reshape(xs.shape)
+        for a, f in zip(xs, fs):
+            a32 = a.to(device=self.D.device, dtype=torch.float32)
+            self.D.add_((f.to(device=self.D.device, dtype=torch.float32) - a32).T @ a32)
+
     def hessian(self) -> Tensor:
         """The normalized Hessian ``2 / n * sum x^T x`` (float64, a new tensor)."""
         if self.H is None:
@@ -274,6 +329,7 @@ class GPTQ:
 
     def free(self) -> None:
         self.H = None
+        self.D = None
         self._prepared = None
 
     def _check_solvable(self, w: Tensor, name: str) -> None:
@@ -292,13 +348,14 @@ class GPTQ:
                 f"against; calibrate all experts, use more samples, or quantize it with rtn"
             )
 
-    def _prepare(self, cfg: GPTQConfig, dev: torch.device, name: str) -> _Prepared:
+    def _prepare(self, cfg: GPTQConfig, dev: torch.device, name: str, fit: str = "all") -> _Prepared:
         """The solve's Hessian-only part, computed once per settings and device (see the module doc).
 
         The normalized Hessian ``2 / n * H`` is formed once, already permuted into act-order and
         reversed for the factorization (one gather of the raw sum); the float32 copy the reported
         error reads is made only if one is asked for."""
-        key = (cfg.percdamp, cfg.actorder, cfg.max_retries, cfg.damp_growth, str(dev), self.nsamples)
+        key = (cfg.percdamp, cfg.actorder, cfg.max_retries, cfg.damp_growth, str(dev), self.nsamples,
+               self.D is not None and fit)
         if self._prepared is not None and self._prepared.key == key:
             return self._prepared
         self._prepared = None
@@ -318,9 +375,10 @@ class GPTQ:
         mean_diag = float(torch.mean(diag if perm is None else diag[perm]))
         Hinv, damp, retries = _inverse_cholesky(Hf, mean_diag, cfg, name)
         hdiag = Hinv.diagonal().clone()
+        asym = None if self.D is None else _asymmetric_map(self.D, c, Hinv, perm, dead, fit)
         # the sweep reads Hinv's rows over their diagonal: divided in place, one in x in matrix kept
         self._prepared = _Prepared(key, dead, int(dead.sum()), H, c, perm, hdiag, Hinv.div_(hdiag[:, None]), damp,
-                                   retries)
+                                   retries, asym)
         return self._prepared
 
     @torch.no_grad()
@@ -337,6 +395,8 @@ class GPTQ:
         damp_growth: float = 10.0,
         name: str = "linear",
         stats: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor] | None] | None = None,
+        gptaq_alpha: float = 0.0,
+        gptaq_fit: str = "all",
     ) -> GPTQResult:
         """Quantize ``w [rows, in]`` (any subset of the layer's rows) against ``H``.
 
@@ -352,6 +412,10 @@ class GPTQ:
         and shared by fused partners (``rtn.local_stats``; NVFP4's ``global_absmax``), when ``w``
         is a shard; None: ``w`` is the whole weight.  A list of n of them: ``w`` stacks n weights
         of equal height (experts solved against one Hessian), each quantized under its own.
+
+        ``gptaq_alpha``: where full-precision inputs were accumulated (``add_batch(x, x_fp)``), the
+        weight of GPTAQ's correction toward the full-precision outputs, ``gptaq_fit`` its form
+        (``_asymmetric_map``); 0: GPTQ.
         """
         cfg = GPTQConfig(blocksize, percdamp, actorder, static_groups, max_retries, damp_growth)
         t0 = time.perf_counter()
@@ -367,10 +431,15 @@ class GPTQ:
         segs = _segments(w, spec, stats, name)  # [(row slice, stats)]: one per stacked weight
         gscales = [_global_scale(st, spec, wdtype) for _, st in segs]
 
-        prep = self._prepare(cfg, dev, name)
+        if gptaq_fit not in GPTAQ_FITS:
+            raise SqError(f"{name}: gptaq_fit must be one of {', '.join(GPTAQ_FITS)}, got {gptaq_fit!r}")
+        prep = self._prepare(cfg, dev, name, gptaq_fit)
         dead, perm, hdiag = prep.dead, prep.perm, prep.hdiag
         W = w.to(torch.float32).clone()
         W[:, dead] = 0
+        if gptaq_alpha and prep.asym is not None:
+            W.add_(W @ prep.asym, alpha=gptaq_alpha)
+            W[:, dead] = 0
 
         # Scales fixed up front come from the unpermuted, dead-zeroed weights in their
         # storage dtype: for a layer without dead columns they equal RTN's exactly.
@@ -586,12 +655,46 @@ class _Prepared:
     Hs: Tensor  # Hinv's rows divided by their diagonal entry (what a column's error is pushed with)
     damp: float
     retries: int
+    asym: Tensor | None = None  # GPTAQ's map M (``_asymmetric_map``): the weights' correction is W M
 
     def h_err(self) -> Tensor:
         """The undamped, dead-fixed, unpermuted normalized Hessian in float32."""
         H = self.H_raw * self.h_scale
         H[self.dead, self.dead] = 1
         return H.to(torch.float32)
+
+
+def _asymmetric_map(D: Tensor, c: float, U: Tensor, perm: Tensor | None, dead: Tensor, fit: str) -> Tensor:
+    """GPTAQ's correction toward the full-precision chain's outputs, as a map of the weights: ``W M``,
+    ``M [in, in]`` float32 in the weights' own column order.
+
+    The layer sees ``x`` (the quantized chain) where the full-precision model saw ``x_fp = x + dx``;
+    GPTAQ (Li et al., 2025) fits ``Q x`` to ``W x_fp`` instead of ``W x``.  ``D = E[dx^T x]``
+    (normalized like ``H``), ``U`` the upper factor of ``(H + damp I)^-1`` in sweep order:
+
+    - ``fit="all"``: ``M = D (H + damp I)^-1 = D U^T U``, the least-squares fit of the whole target
+      ``W x_fp`` by the quantized chain's inputs (at weight 1, GPTQ's sweep on ``W (I + M)`` is the
+      greedy solve of the asymmetric objective exactly).
+    - ``fit="later"``: the paper's ``P = triu(D U^T, 1) U``: the part ``w_j dx_j`` of the target
+      that input ``j`` adds is fitted by the inputs after ``j`` alone (row ``j``:
+      ``D[j, >j] H[>j, >j]^-1``).  The paper applies ``w_j P[j]`` inside the sweep with ``w_j`` the
+      column's value when it is quantized; here the weights before the sweep stand for it (on
+      synthetic layers the two reach the same objective within 1%).
+
+    Either way the whole correction is one product up front, and the sweep (with every format it
+    supports) is GPTQ's own.  Dead input columns get none (their ``D`` column is zero, and ``U``
+    keeps them apart).  Weighted 1, the fit overshoots (the cross term is estimated from the
+    calibration tokens and amplified by the inverse): docs/gptaq.md has the measured weights."""
+    Dp = D.to(U.device) * c
+    Dp[:, dead] = 0
+    if perm is not None:
+        Dp = Dp.index_select(0, perm).index_select(1, perm)
+    DU = Dp.to(torch.float32) @ U.T
+    M = (DU.triu_(1) if fit == "later" else DU) @ U  # sweep order
+    if perm is not None:
+        inv = torch.argsort(perm)
+        M = M.index_select(0, inv).index_select(1, inv)
+    return M
 
 
 def _relative_error(w: Tensor, weight: Tensor, dead: Tensor, H_err: Tensor, loss: float, damp: float) -> float:

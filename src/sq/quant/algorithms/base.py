@@ -11,7 +11,8 @@ calls the handler found for the job's config type (torchao's handler-per-config)
 
 and reads three class facts: ``calibrated`` (it runs calibration data; the quantized chain is
 carried between blocks), ``fp_chain`` (it also needs the full-precision block outputs as
-targets; the pipeline computes them before ``observe``) and ``error_metric`` (what the
+targets; the pipeline computes them before ``observe``, unless ``pairs_chains``: then ``observe``
+runs each batch on both chains and sets them) and ``error_metric`` (what the
 report's per-layer error is measured through).
 
 A config is a frozen dataclass: its fields are the algorithm's settings, written once with
@@ -47,6 +48,9 @@ class Algorithm:
     config_type: ClassVar[type[AlgoConfig]]
     calibrated: ClassVar[bool] = False
     fp_chain: ClassVar[bool] = False
+    # observe runs each batch on both chains itself and sets work.fp_out (GPTAQ: its statistics pair
+    # the two chains' inputs to each Linear); else the pipeline computes fp_out before observe
+    pairs_chains: ClassVar[bool] = False
     error_metric: ClassVar[str] = "weight"
     expert_parallel: ClassVar[bool] = True  # runs with --ep > 1 (experts held by index, tokens moved to them)
     # what --calib-dtype auto may trade float32 for where the probe finds the model's half dtype faster:

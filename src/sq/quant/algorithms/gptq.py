@@ -14,11 +14,11 @@ from sq.quant.algorithms.base import Algorithm, register
 from sq.quant.rtn import rtn_rows
 from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import ExpertCalibration, local_experts
-from sq.quant.forward import block_forward
+from sq.quant.forward import block_forward, paired_forward
 from sq.formats import primitives
 from sq.formats.specs import spec_for
 from sq.quant.experts import whole_rows_stats
-from sq.quant.gptq import GPTQ, GPTQConfig
+from sq.quant.gptq import GPTAQConfig, GPTQ, GPTQConfig
 from sq.quant.recipe import scheme_tag
 
 # Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
@@ -33,11 +33,18 @@ class Counting:
 
     Linears that read the very same input tensor (q/k/v, gate/up) share one accumulator: the
     first batch decides, with its inputs kept alive so no address can be reused meanwhile.
+
+    ``paired`` (GPTAQ, ``sq.quant.forward.paired_forward``): while ``capturing``, a forward on the
+    full-precision chain only keeps each Linear's input; the next forward, on the quantized chain's
+    same tokens, accumulates ``H`` and the cross term from both.
     """
 
-    def __init__(self, linears, device):
+    def __init__(self, linears, device, paired: bool = False):
         self.on = True
         self.device = device
+        self.paired = paired
+        self.capturing = False
+        self.fp_in: dict[str, torch.Tensor] = {}
         self.leader: dict[str, str] = {}
         self.gptq: dict[str, GPTQ] = {}
         self._first: dict[tuple, tuple[str, torch.Tensor]] = {}
@@ -46,6 +53,9 @@ class Counting:
     def _hook(self, name):
         def hook(module, args, output):
             x = args[0]
+            if self.capturing:
+                self.fp_in[name] = x
+                return
             if name not in self.leader:
                 key = (x.data_ptr(), tuple(x.shape), x.dtype)
                 lead = self._first.setdefault(key, (name, x))[0]
@@ -53,8 +63,12 @@ class Counting:
                 if lead == name:
                     self.gptq[name] = GPTQ(module.in_features, device=self.device)
             if self.on and self.leader[name] == name:
-                self.gptq[name].add_batch(x)
+                self.gptq[name].add_batch(x, self.fp_in[name] if self.paired else None)
         return hook
+
+    def release(self) -> None:
+        """Drop the full-precision pass's inputs (a batch's are held until its quantized pass is done)."""
+        self.fp_in.clear()
 
     def get(self, name: str) -> GPTQ | None:
         return self.gptq.get(self.leader.get(name, ""))
@@ -88,15 +102,21 @@ class GPTQAlgorithm(Algorithm):
 
     def observe(self, work: BlockWork) -> None:
         """Dense Linears: Hessians summed over every rank's tokens; experts: at their owner."""
-        counting = Counting(work.linears, work.device)
+        counting = Counting(work.linears, work.device, paired=self.pairs_chains)
         calibs = [ExpertCalibration(ex, work.calibrate_all_experts, work.device) for _, ex, _ in work.experts]
-        block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[counting, *calibs])
+        if self.pairs_chains:
+            work.fp_out = paired_forward(work.block, work.fp_inputs, work.inputs, work.steps, work.dummy, counting,
+                                         counters=[counting, *calibs], autocast=work.autocast)
+        else:
+            block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[counting, *calibs])
         counting.remove()
         for c in calibs:
             c.remove()
         for g in counting.gptq.values():
             n = torch.tensor([g.nsamples], dtype=torch.int64, device=work.device)
             dist.all_reduce(g.H)
+            if g.D is not None:
+                dist.all_reduce(g.D)
             dist.all_reduce(n)
             g.nsamples = int(n.item())
         work.state["counting"] = counting
@@ -260,6 +280,22 @@ class GPTQAlgorithm(Algorithm):
         for calib in work.state["calibs"].values():
             for g in (*calib.h_in.values(), *calib.h_mid.values()):
                 g.free()
+
+
+@register
+class GPTAQAlgorithm(GPTQAlgorithm):
+    """GPTAQ: GPTQ with each dense Linear fitted to the full-precision model's outputs.
+
+    The full-precision chain is carried beside the quantized one (``fp_chain``; cached for resume
+    like it); each calibration batch runs through the block on both (``paired_forward``), so every
+    Linear's Hessian comes with the cross term ``sum (x_fp - x)^T x`` of the same tokens, all-reduced
+    like the Hessian; the solve is GPTQ's after the correction up front (``sq.quant.gptq._asymmetric_map``).
+    Routed experts are solved as GPTQ solves them: the two chains route tokens differently, so
+    there are no token pairs to compare."""
+
+    config_type = GPTAQConfig
+    fp_chain = True
+    pairs_chains = True
 
 
 def _same_stats(scheme, a, b) -> bool:
