@@ -164,3 +164,24 @@ def test_pipeline_alpha_zero_is_gptq_and_alpha_moves_the_weights(checkpoints, tm
     assert len(moved) == len([k for k in packed if ".layers.0." not in k])
     algo = json.loads((tmp_path / "a1" / "sq_report.json").read_text())["run_signature"]["algorithm"]
     assert algo["name"] == "gptaq" and algo["gptaq_alpha"] == 1.0
+
+
+def test_pipeline_moe_experts_get_the_correction(checkpoints, tmp_path):
+    """Qwen3-MoE at 2 ranks (expert parallel), attention left unquantized so that block 1's inputs are
+    the same for GPTQ and GPTAQ (block 0's bits are GPTQ's): any difference in block 1's experts is
+    their own cross term (calibrate-all pairs their tokens on both chains).  Alpha 0: GPTQ's bits."""
+    model = checkpoints["qwen3_moe"]
+    common = dict(ignore=["lm_head", "self_attn"])
+    jobs = [_job(model, tmp_path / "gptq", "gptq", **common),
+            _job(model, tmp_path / "a0", "gptaq", gptaq_alpha=0.0, **common),
+            _job(model, tmp_path / "a1", "gptaq", gptaq_alpha=1.0, **common)]
+    errors = run_ranks(quantize_jobs, 2, jobs, timeout=600)[0]
+    assert errors == [None] * 3, errors
+    gptq, a0, a1 = (read_tensors(tmp_path / n) for n in ("gptq", "a0", "a1"))
+    assert all(torch.equal(gptq[k], a0[k]) for k in gptq)
+    packed = [k for k in gptq if k.endswith("weight_packed")]
+    assert packed and all(".experts." in k for k in packed)
+    moved = {k for k in packed if not torch.equal(gptq[k], a1[k])}
+    assert not any(".layers.0." in k for k in moved)
+    block1 = {k for k in packed if ".layers.1." in k}
+    assert block1 and block1 <= moved, sorted(block1 - moved)[:5]

@@ -140,6 +140,13 @@ class ExpertCalibration:
     h_mid: dict[int, GPTQ] = field(default_factory=dict)
     amax_in: dict[int, torch.Tensor] = field(default_factory=dict)  # float32 [1] per local expert
     amax_mid: dict[int, torch.Tensor] = field(default_factory=dict)
+    # GPTAQ (sq.quant.forward.paired_forward): a forward while ``capturing`` runs on the full-precision
+    # chain and keeps the gathered expert inputs; the next, on the quantized chain, gives every
+    # accumulator the cross term of the same tokens.  Only with calibrate-all, where every expert
+    # sees every token on both chains (routed tokens differ between the chains: no pairs)
+    paired: bool = False
+    capturing: bool = False
+    fp_h: torch.Tensor | None = None
 
     def __post_init__(self):
         ex = self.experts
@@ -164,19 +171,26 @@ class ExpertCalibration:
 
         def forward(module, hidden_states, top_k_index, top_k_weights):
             out = orig(hidden_states, top_k_index, top_k_weights)
+            pairs = calib.paired and calib.calibrate_all and calib.hessians
+            if calib.capturing and not pairs:  # (the same on every rank: no gather skipped by one alone)
+                return out
             # every rank joins the gather (dummy batches send no tokens)
             mine_h = hidden_states if calib.on else hidden_states[:0]
             mine_i = top_k_index if calib.on else top_k_index[:0]
             # [T_r, H], [T_r, k] on each rank -> [sum T_r, H], [sum T_r, k]
             h_all, idx_all = all_gather_rows(mine_h), all_gather_rows(mine_i)
+            if calib.capturing:
+                calib.fp_h = h_all
+                return out
             if not len(calib.mine) or h_all.shape[0] == 0:
                 return out
+            h_fp = calib.fp_h if pairs else None
             p = module.gate_up_proj
             gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I, H]
             gate_up = gate_up.to(h_all.dtype)  # as the experts' own forward computes (sq.parallel.expert)
             first = calib.mine.start if is_ep_param(module.gate_up_proj) else 0
             if calib.calibrate_all and calib.hessians:
-                calib.h_in[calib.mine.start].add_batch(h_all)  # the one shared accumulator
+                calib.h_in[calib.mine.start].add_batch(h_all, h_fp)  # the one shared accumulator
             if calib.calibrate_all and calib.absmax:
                 a = _absmax(h_all)
                 for e in calib.mine:
@@ -194,12 +208,20 @@ class ExpertCalibration:
                     if calib.absmax:
                         torch.maximum(calib.amax_in[e], _absmax(x), out=calib.amax_in[e])
                 if calib.hessians:
-                    calib.h_mid[e].add_batch(mid)
+                    mid_fp = None
+                    if h_fp is not None:  # the same expert on the full-precision chain's tokens
+                        gate, up = nn.functional.linear(h_fp, w).chunk(2, dim=-1)
+                        mid_fp = module.act_fn(gate) * up
+                    calib.h_mid[e].add_batch(mid, mid_fp)
                 if calib.absmax:
                     torch.maximum(calib.amax_mid[e], _absmax(mid), out=calib.amax_mid[e])
             return out
 
         return forward
+
+    def release(self) -> None:
+        """Drop the full-precision pass's gathered inputs (``paired``)."""
+        self.fp_h = None
 
     def remove(self) -> None:
         if self._had_own_forward:

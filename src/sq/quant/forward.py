@@ -210,28 +210,27 @@ def block_forward(block: nn.Module, inputs, steps: int, dummy, counters=(), auto
     return outs
 
 
-def paired_forward(block: nn.Module, fp_inputs, inputs, steps: int, dummy, capture, counters=(),
+def paired_forward(block: nn.Module, fp_inputs, inputs, steps: int, dummy, counters=(),
                    autocast: torch.dtype | None = None) -> list[torch.Tensor]:
     """Each batch through ``block`` twice, the full-precision chain's then the quantized chain's: the
-    first with ``capture.capturing`` set (it keeps what it needs of that pass), the second with the
-    ``counters`` on (they read what ``capture`` kept: the same tokens on both chains, one batch held at a
-    time).  Returns the full-precision outputs; ranks pad with ``dummy`` as ``block_forward``."""
+    first with every counter's ``capturing`` set (it keeps what it needs of that pass), the second
+    without (it reads what it kept: the same tokens on both chains, one batch held at a time; then
+    ``release()``).  ``on`` is False for dummy batches in both.  Returns the full-precision outputs;
+    ranks pad with ``dummy`` as ``block_forward``."""
     outs = []
     with torch.no_grad(), unsharded(block), autocast_to(autocast, dummy[0].device):
         for i in range(steps):
             real = i < len(inputs)
             for c in counters:
-                c.on = False
-            capture.capturing = True
+                c.on, c.capturing = real, True
             hidden, kw = fp_inputs[i] if real else dummy
             y = block(hidden, **block_kwargs(kw, block))
-            capture.capturing = False
             for c in counters:
-                c.on = real
+                c.capturing = False
             hidden, kw = inputs[i] if real else dummy
             block(hidden, **block_kwargs(kw, block))
-            capture.release()
+            for c in counters:
+                c.release()
             if real:
                 outs.append((y[0] if isinstance(y, tuple) else y).detach())
     return outs
-

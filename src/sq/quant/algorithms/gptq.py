@@ -54,7 +54,8 @@ class Counting:
         def hook(module, args, output):
             x = args[0]
             if self.capturing:
-                self.fp_in[name] = x
+                if self.paired:
+                    self.fp_in[name] = x
                 return
             if name not in self.leader:
                 key = (x.data_ptr(), tuple(x.shape), x.dtype)
@@ -103,9 +104,10 @@ class GPTQAlgorithm(Algorithm):
     def observe(self, work: BlockWork) -> None:
         """Dense Linears: Hessians summed over every rank's tokens; experts: at their owner."""
         counting = Counting(work.linears, work.device, paired=self.pairs_chains)
-        calibs = [ExpertCalibration(ex, work.calibrate_all_experts, work.device) for _, ex, _ in work.experts]
+        calibs = [ExpertCalibration(ex, work.calibrate_all_experts, work.device, paired=self.pairs_chains)
+                  for _, ex, _ in work.experts]
         if self.pairs_chains:
-            work.fp_out = paired_forward(work.block, work.fp_inputs, work.inputs, work.steps, work.dummy, counting,
+            work.fp_out = paired_forward(work.block, work.fp_inputs, work.inputs, work.steps, work.dummy,
                                          counters=[counting, *calibs], autocast=work.autocast)
         else:
             block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[counting, *calibs])
@@ -290,8 +292,10 @@ class GPTAQAlgorithm(GPTQAlgorithm):
     like it); each calibration batch runs through the block on both (``paired_forward``), so every
     Linear's Hessian comes with the cross term ``sum (x_fp - x)^T x`` of the same tokens, all-reduced
     like the Hessian; the solve is GPTQ's after the correction up front (``sq.quant.gptq._asymmetric_map``).
-    Routed experts are solved as GPTQ solves them: the two chains route tokens differently, so
-    there are no token pairs to compare."""
+    Experts too where every expert calibrates on every token (calibrate-all, the default): their
+    shared input Hessian and each one's down-projection Hessian get the cross term of the same
+    tokens (``ExpertCalibration.paired``).  With ``--no-calibrate-all-experts`` the two chains route
+    tokens differently, there are no token pairs, and experts are solved as GPTQ solves them."""
 
     config_type = GPTAQConfig
     fp_chain = True
