@@ -65,7 +65,7 @@ def _train_then_quantize(rank, world, out, tok_dir, algo):
     return {"losses": losses, "report": report}
 
 
-@pytest.mark.parametrize("algo", ["gptq", "rtn", "signround", "awq"])
+@pytest.mark.parametrize("algo", ["gptq", "gptaq", "rtn", "signround", "awq"])
 def test_train_quantize_export_2_ranks(checkpoints, tmp_path, algo):
     from transformers import AutoModelForCausalLM
 
