@@ -53,8 +53,9 @@ RUNS = ("rtn_w2", "gptq_w2", "gptq_w1", "eval_fp", "eval_rtn_w2", "eval_gptq_w2"
 # SignRound at 4 and 3 bits with RTN / GPTQ at 3 bits beside it (same calibration and evaluation)
 SIGNROUND = ("sr4_w2", "rtn3_w2", "gptq3_w2", "sr3_w2", "eval_sr4_w2", "eval_rtn3_w2", "eval_gptq3_w2", "eval_sr3_w2")
 # GPTAQ beside GPTQ at 4, 3 and 2 bits (its default, the paper's "later" fit, and a smaller weight)
-GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaq3_w2", "gptq2_w2", "gptaq2_w2",
-         "eval_gptaq_w2", "eval_gptaqlater_w2", "eval_gptaq01_w2", "eval_gptaq3_w2", "eval_gptq2_w2", "eval_gptaq2_w2")
+GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaqfull_w2", "gptqfull_w2", "gptaq3_w2", "gptq2_w2", "gptaq2_w2",
+         "eval_gptaq_w2", "eval_gptaqlater_w2", "eval_gptaq01_w2", "eval_gptaqfull_w2", "eval_gptqfull_w2",
+         "eval_gptaq3_w2", "eval_gptq2_w2", "eval_gptaq2_w2")
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptqoff": ("gptq", ["--actorder", "off"]),
@@ -66,6 +67,8 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptaq": ("gptaq", []),
     "gptaqlater": ("gptaq", ["--gptaq-fit", "later"]),
     "gptaq01": ("gptaq", ["--gptaq-alpha", "0.1"]),
+    "gptaqfull": ("gptaq", ["--int-grid", "full"]),
+    "gptqfull": ("gptq", ["--int-grid", "full"]),
     "gptaq3": ("gptaq", ["--scheme", "W3A16"]),
     "gptaq2": ("gptaq", ["--scheme", "W2A16"]),
 }
@@ -195,7 +198,8 @@ def table(recs: dict[str, dict]) -> str:
                        ("gptqoff_w2", "sq GPTQ --actorder off"), ("sr4_w2", "sq SignRound 50 iters"),
                        ("rtn3_w2", "sq RTN W3"), ("gptq3_w2", "sq GPTQ W3"), ("sr3_w2", "sq SignRound 50 iters W3"),
                        ("gptaq_w2", "sq GPTAQ"), ("gptaqlater_w2", "sq GPTAQ --gptaq-fit later"),
-                       ("gptaq01_w2", "sq GPTAQ --gptaq-alpha 0.1"), ("gptaq3_w2", "sq GPTAQ W3"),
+                       ("gptaq01_w2", "sq GPTAQ --gptaq-alpha 0.1"), ("gptqfull_w2", "sq GPTQ --int-grid full"),
+                       ("gptaqfull_w2", "sq GPTAQ --int-grid full"), ("gptaq3_w2", "sq GPTAQ W3"),
                        ("gptq2_w2", "sq GPTQ W2"), ("gptaq2_w2", "sq GPTAQ W2")):
         q = recs.get(run)
         if not q:

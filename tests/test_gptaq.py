@@ -49,11 +49,25 @@ def _asym_err(x, x_fp, w, wq) -> float:
     return float((x @ wq.float().T - ref).norm() / ref.norm())
 
 
-def test_cross_term_is_the_sum_over_tokens():
+@pytest.mark.parametrize("dtype,form", [(torch.float32, "direct"), (torch.bfloat16, "as the CPU allows"),
+                                        (torch.bfloat16, "sum minus H")])
+def test_cross_term_is_the_sum_over_tokens(dtype, form, monkeypatch):
+    """``D = sum (x_fp - x)^T x``, accumulated directly or (bf16 inputs on a CPU with bf16 matmuls) as
+    ``sum x_fp^T x`` minus ``H``: the second form forced here on any CPU, in float32 products."""
+    import contextlib
+
+    from sq.quant import gptq
+
+    if form == "sum minus H":
+        monkeypatch.setattr(gptq, "_cpu_bf32", lambda: True)
+        monkeypatch.setattr(gptq, "_bf16_operands", lambda on: contextlib.nullcontext())
     x, x_fp, _ = _layer()
+    x, x_fp = x.to(dtype), x_fp.to(dtype)
     g = _acc(x, x_fp)
+    if form != "as the CPU allows":
+        assert g._cross_is_c == (form == "sum minus H")
     want = (x_fp.double() - x.double()).T @ x.double()
-    assert torch.allclose(g.D, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert torch.allclose(g.D, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     # split over "ranks" (token sets), summed: the single accumulator's sum
     a, b = _acc(x[:1024], x_fp[:1024]), _acc(x[1024:], x_fp[1024:])
     assert torch.allclose(a.D + b.D, g.D, rtol=1e-12, atol=1e-9)

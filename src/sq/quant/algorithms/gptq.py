@@ -117,8 +117,8 @@ class GPTQAlgorithm(Algorithm):
         for g in counting.gptq.values():
             n = torch.tensor([g.nsamples], dtype=torch.int64, device=work.device)
             dist.all_reduce(g.H)
-            if g.D is not None:
-                dist.all_reduce(g.D)
+            if g.cross is not None:
+                dist.all_reduce(g.cross)
             dist.all_reduce(n)
             g.nsamples = int(n.item())
         work.state["counting"] = counting
