@@ -9,7 +9,7 @@ calls the handler found for the job's config type (torchao's handler-per-config)
     solve_experts(work, experts, ...)  this rank's rows of every local expert of one projection
     release(work)                      drop the block's statistics
 
-and reads three class facts: ``calibrated`` (it runs calibration data; the quantized chain is
+and reads its class facts: ``calibrated`` (it runs calibration data; the quantized chain is
 carried between blocks), ``fp_chain`` (it also needs the full-precision block outputs as
 targets; the pipeline computes them before ``observe``, unless ``pairs_chains``: then ``observe``
 runs each batch on both chains and sets them) and ``error_metric`` (what the

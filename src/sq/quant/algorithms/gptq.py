@@ -64,6 +64,9 @@ class Counting:
                 if lead == name:
                     self.gptq[name] = GPTQ(module.in_features, device=self.device)
             if self.on and self.leader[name] == name:
+                if self.paired and name not in self.fp_in:
+                    raise SqError(f"{name}: not called in the block's forward on the full-precision chain, "
+                                  "so GPTAQ has no inputs to pair with the quantized chain's")
                 self.gptq[name].add_batch(x, self.fp_in[name] if self.paired else None)
         return hook
 
