@@ -257,3 +257,30 @@ def test_lock_of_the_same_slurm_job_on_another_host_is_taken_over(tmp_path, monk
     lock.write_text(json.dumps({"pid": 1, "host": "node-a-that-is-gone"}))
     with pytest.raises(SqError, match="if that run is dead, delete"):
         state.take_lock()
+
+
+def test_a_rank_two_records_ahead_still_shares_a_restart_point(tmp_path):
+    """The records run behind the computation: a rank killed while its files of block k are written
+    (its main thread done with block k + 1, whose collectives let the other rank finish k + 1 and
+    record it) has recorded blocks < k, the other rank blocks <= k + 1.  Both can restart at k only
+    if the rank ahead still holds block k's inputs: three chains are kept, not two (with two, the
+    rerun started over at block 0, an intermittent failure of the kill-chain tests)."""
+    import torch
+
+    from sq.resume import RunState
+
+    def run_blocks(rank, recorded):
+        state = RunState(tmp_path / "o", rank)
+        for b in range(recorded):  # write_block(b): the block's files, the next block's inputs, the record
+            f = tmp_path / "o" / f"r{rank}-b{b}.bin"
+            f.write_bytes(b"x")
+            state.write_chain(b + 1, [torch.full((2,), float(b))])
+            state.record_block(b, {f.name: {"size": 1, "sha256": __import__("hashlib").sha256(b"x").hexdigest(),
+                                            "tensors": []}})
+        return state
+
+    (tmp_path / "o").mkdir()
+    k, n_blocks = 2, 5
+    behind, ahead = run_blocks(0, k), run_blocks(1, k + 2)
+    points = [set(s.restart_points(need_chain=True, n_blocks=n_blocks)) for s in (behind, ahead)]
+    assert max(set.intersection(*points)) == k, points

@@ -38,7 +38,7 @@ from sq.files import (INDEX_NAME, RUN_DIR, SHARD_PATTERN, safetensors_bytes, sha
 
 logger = logging.getLogger(__name__)
 
-FAULT_POINTS = ("calib", "after-shard-write", "mid-shard-write", "manifest-replace", "index-merge", "enospc", "stop")
+FAULT_POINTS = ("calib", "search", "after-shard-write", "mid-shard-write", "manifest-replace", "index-merge", "enospc", "stop")
 
 
 # ---------------------------------------------------------------- fault injection (tests only)
@@ -302,14 +302,18 @@ class RunState:
 
     def record_block(self, block: int, files: dict[str, dict], fault: Fault | None = None,
                      skipped: list[str] = ()) -> None:
-        """Mark ``block`` done (after its files and chain are in place); keep the last two chains.
+        """Mark ``block`` done (after its files and chain are in place); keep the last three chains.
         ``skipped``: Linears of the block left unquantized for NaN/Inf (the final config lists them)."""
         entry = {"block": block, "files": files}
         if skipped:
             entry["skipped_nonfinite"] = list(skipped)
         self.manifest["blocks"].append(entry)
         for b in list(self.manifest.get("chains", {})):
-            if int(b) < block:  # chains of blocks <= block-1 can go (ranks differ by at most one block)
+            # a rank's records can be two blocks ahead of another's: the records follow the background
+            # files, so a rank killed while its files of block k are written (its main thread done with
+            # block k + 1, which let the others finish and record k + 1) has recorded blocks < k only.
+            # Both restart at k where the rank ahead still holds block k's inputs: chains k-1.. are kept
+            if int(b) < block - 1:
                 del self.manifest["chains"][b]
                 (self.dir / self.chain_name(int(b))).unlink(missing_ok=True)
         if not self.enabled:
