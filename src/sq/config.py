@@ -54,6 +54,9 @@ class PTQConfig:
     trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
+    # mixed precision under a bit budget (sq.search): stored bits per weight, and the schemes to choose from
+    target_bits: float | None = None
+    candidates: tuple[str, ...] = ("W4A16", "W8A16")
 
     @classmethod
     def build(cls, *, algo: str | AlgoConfig = "gptq", **kw) -> PTQConfig:
@@ -129,6 +132,7 @@ class PTQConfig:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["ignore"] = list(self.ignore)
+        d["candidates"] = list(self.candidates)
         d["algo"] = self.algo.name
         d["algo_settings"] = self.algo.to_dict()
         return d

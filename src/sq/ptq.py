@@ -93,6 +93,14 @@ def build_parser() -> ArgParser:
                         "larger-magnitude extreme lands on -8, so the scale is signed; lower weight error, "
                         "other bits than llm-compressor's), or auto (full for --algo signround, as auto-round; "
                         "standard otherwise); a recipe's scheme may name its own int_grid")
+    p.add_argument("--target-bits", type=float, default=None, metavar="BITS",
+                   help="mixed precision under a budget: score every Linear (fused partners together) under each "
+                        "of --candidates on the calibration data, choose per Linear so that the stored bits per "
+                        "weight (codes, scales, zero points) stay within BITS, write the choice as "
+                        "OUTPUT/sq_recipe.yaml and quantize with it (dense Linears; docs/recipes.md)")
+    p.add_argument("--candidates", default=",".join(job["candidates"]), metavar="SCHEMES",
+                   help="comma-separated presets --target-bits chooses from (default: %(default)s; int presets "
+                        "take --group-size)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
@@ -126,7 +134,8 @@ def parse_args(argv=None, with_model_free: bool = False):
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
                      skip_nonfinite=a.skip_nonfinite, allow_unmatched=a.allow_unmatched, verify_source=a.verify_source,
                      trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache, calib_dtype=a.calib_dtype,
-                     int_grid=a.int_grid,
+                     int_grid=a.int_grid, target_bits=a.target_bits,
+                     candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
                      fault=os.environ.get("SQ_FAULT"))
     return (cfg, a.model_free) if with_model_free else cfg
 

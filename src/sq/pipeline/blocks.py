@@ -26,6 +26,7 @@ Fill/free and gathers to the writer live here; the folder, resume bookkeeping an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -67,7 +68,8 @@ from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
 from sq.probe import Choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
-from sq.run import Run, signature, versions
+from sq.run import Run, raise_all, signature, versions
+from sq.search import run_search, search_problems
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class _Pipeline:
         self.choice: Choice | None = None
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
+        self.search_report: dict | None = None  # --target-bits (sq.search), when it ran in this process
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
         # their shards, every few blocks where calibration forwards churn activations (sq.memory)
         self.trim = HeapTrim() if self.calibrated else HeapTrim(every=1)
@@ -148,6 +151,7 @@ class _Pipeline:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
         problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
+        problems += search_problems(cfg, self.model, self.algo, self.targets, self.world)
         if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
             problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
                             "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
@@ -185,10 +189,25 @@ class _Pipeline:
     def restart_point(self) -> int:
         """The largest block every rank can restart from; keeps the manifests' blocks before it."""
         start = self.run.restart(len(self.targets.blocks), need_chain=self.calibrated)
-        # Linears an earlier run of this job left unquantized for NaN/Inf (written raw in their block)
+        self._drop_skipped()
+        return start
+
+    def _drop_skipped(self) -> None:
+        """Linears an earlier run of this job left unquantized for NaN/Inf (written raw in their block)."""
         for b, ls in enumerate(self.targets.linears):
             self.targets.linears[b] = [l for l in ls if l.name not in self.run.skipped]
-        return start
+
+    def search(self) -> None:
+        """``--target-bits``: the recipe chosen by ``sq.search`` (or the one an earlier run of the job
+        chose) becomes the job's assignment; the refusals are checked again for it, on every rank."""
+        recipe = run_search(self)
+        cfg = dataclasses.replace(self.cfg, recipe=str(recipe))
+        self.assigner = cfg.assigner()
+        self.targets = plan_targets(self.model, self.assigner, self.weights, self.world)
+        self.observing = cfg.observes(self.assigner)
+        raise_all(model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated),
+                  "the searched recipe's checks")
+        self._drop_skipped()
 
     def calibration_inputs(self, start: int) -> None:
         """This rank's samples ``rank::world`` -> block-0 inputs, or both chains from the cache."""
@@ -476,7 +495,7 @@ class _Pipeline:
             "args": cfg.to_dict(),
             "source": weights.describe(),
             "scheme": self.assigner.default.to_dict() if self.assigner.default is not None else None,
-            "recipe": self.assigner.to_dict() if cfg.recipe else None,
+            "recipe": self.assigner.to_dict() if cfg.recipe or self.search_report else None,
             "assignment": self.targets.assignment,
             "world_size": self.world,
             "versions": versions(),
@@ -493,6 +512,8 @@ class _Pipeline:
             report["speed"] = self.choice.to_dict()
         if self.stats.per_block:
             report[cfg.algo.name] = self.stats.per_block
+        if self.search_report:  # --target-bits: every unit's scores and choice
+            report["search"] = self.search_report
         return report
 
 
@@ -522,6 +543,8 @@ def _run_blocks(p: _Pipeline) -> dict:
     if parallelize is not None:
         parallelize(p.compute_dtype)
     weights.fill(weights.root_names)
+    if p.cfg.target_bits is not None:
+        p.search()
     if p.calibrated and start < n_blocks:
         p.calibration_inputs(start)
     p.progress = block_progress(n_blocks, start, bar=p.rank == 0)

@@ -1,0 +1,342 @@
+"""Mixed precision under a bit budget (``--target-bits B --candidates W4A16,W8A16``): score, allocate,
+write a recipe, then quantize with it.
+
+Inside the job, after the output folder is claimed and before the first block is quantized
+(``sq.pipeline.blocks``):
+
+1. **Score.**  Block by block, on the full-precision chain (this rank's calibration windows), every
+   *unit* is quantized with each candidate by round-to-nearest, alone, and the block run again:
+   its score is the mean squared error of the block's output against the full-precision output,
+   summed over every rank's tokens.  A unit is the Linears that read one input tensor (q/k/v,
+   gate/up: an engine fuses them, so they must share a scheme), found by the forward itself, or
+   one Linear.  Each rank quantizes its own rows (the scores are all-reduced), so the memory is
+   the pipeline's: one block.
+2. **Allocate** (``allocate``): every unit starts at its cheapest candidate; the upgrade with the
+   most score removed per stored bit that still fits is taken until none fits.  Bits are counted as
+   the format stores them (``effective_bits``: codes, scales, zero points, global scales).
+3. **Recipe.**  The choice is written as a recipe (``OUT/sq_recipe.yaml``, a file to edit and
+   rerun with ``--recipe``), and the job quantizes with it.
+
+Resumable: each block's scores are kept in ``.sq-run/search/`` (rank 0 writes, every rank reads the
+same); a rerun scores only the blocks left (the chain through the scored ones is a forward), and once
+the recipe is written it is read back as it is.  Dense Linears only for now: routed experts are
+refused with ``--target-bits``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from sq.errors import SqError
+from sq.files import write_bytes_atomic
+from sq.formats.compressed import compress_weight
+from sq.formats.schemes import QuantScheme, get_scheme
+from sq.load.fill import local_box
+from sq.quant import rtn
+from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
+from sq.quant.work import Linear
+
+__all__ = ["effective_bits", "allocate", "Unit", "SEARCH_DIR", "RECIPE_FILE", "search_problems"]
+
+logger = logging.getLogger(__name__)
+
+SEARCH_DIR = "search"  # under OUT/.sq-run
+RECIPE_FILE = "sq_recipe.yaml"
+
+
+@dataclass
+class Unit:
+    """Linears that must share a scheme (one input tensor), scored and chosen together."""
+
+    names: list[str]
+    shapes: list[list[int]]  # each Linear's [out, in]
+    scores: dict[str, float]  # candidate -> block-output mean squared error (inf: not allowed here)
+    choice: str | None = None
+
+    @property
+    def params(self) -> int:
+        return sum(o * i for o, i in self.shapes)
+
+    def key(self) -> str:
+        return " + ".join(self.names)
+
+
+@lru_cache(maxsize=None)
+def _bits(scheme: QuantScheme, out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """Stored bits of ``scheme`` on an ``[out, in]`` weight of ``dtype``: its compressed tensors counted
+    byte by byte (codes, scales, zero points, global scales, the shape record) as compressed-tensors
+    stores them."""
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    solved = rtn.rtn_rows(w, scheme)
+    tensors = compress_weight((solved.q, solved.scale, solved.zero_point), scheme, tuple(w.shape),
+                              global_scale=solved.global_scale,
+                              activation_scales={k: torch.ones(1) for k in _static_scales(scheme)})
+    return sum(t.numel() * t.element_size() * 8 for t in tensors.values())
+
+
+def _static_scales(scheme: QuantScheme) -> list[str]:
+    from sq.formats.specs import activation_observers
+
+    return [o.name for o in activation_observers(scheme)]
+
+
+def effective_bits(scheme: QuantScheme, out_features: int, in_features: int,
+                   dtype: torch.dtype = torch.bfloat16) -> float:
+    """Stored bits per weight of ``scheme`` on an ``[out, in]`` weight (``_bits``)."""
+    return _bits(scheme, out_features, in_features, dtype) / (out_features * in_features)
+
+
+def allocate(units: list[Unit], cost, target: float) -> float:
+    """Choose each unit's candidate so that the stored bits per weight stay <= ``target`` and the
+    summed score is low: all at their cheapest allowed candidate, then the best upgrade per bit
+    that fits, until none does (ties: the earlier unit, then the cheaper candidate).  Sets
+    ``Unit.choice``; returns the bits per weight reached.  ``cost(unit, candidate)``: its stored bits."""
+    total = sum(u.params for u in units)
+    budget = target * total
+
+    for u in units:
+        allowed = [c for c, s in u.scores.items() if math.isfinite(s)]
+        if not allowed:
+            raise SqError(f"{u.key()}: no candidate scheme applies to it (group sizes?)")
+        u.choice = min(allowed, key=lambda c: (cost(u, c), u.scores[c]))
+    used = sum(cost(u, u.choice) for u in units)
+    if used > budget * (1 + 1e-12):
+        raise SqError(f"--target-bits {target:g} is below what the cheapest candidates store "
+                      f"({used / total:.4f} bits per weight)")
+    while True:
+        best = None
+        for i, u in enumerate(units):
+            for c, s in u.scores.items():
+                extra = cost(u, c) - cost(u, u.choice)
+                gain = u.scores[u.choice] - s
+                if extra <= 0 or gain <= 0 or not math.isfinite(s) or used + extra > budget * (1 + 1e-12):
+                    continue
+                rate = gain / extra
+                if best is None or rate > best[0]:
+                    best = (rate, i, c, extra)
+        if best is None:
+            return used / total
+        _, i, c, extra = best
+        units[i].choice = c
+        used += extra
+
+
+def search_problems(cfg, model, algo, targets, world: int) -> list[str]:
+    """Refusals of ``--target-bits`` (identical on every rank), before anything is written: the
+    settings, and each candidate as the algorithm would take it on this model."""
+    from sq.quant.recipe import make_assigner
+
+    out = []
+    if cfg.target_bits is None:
+        return out
+    if not (0 < cfg.target_bits < 64):
+        out.append(f"--target-bits must be a number of bits per weight, got {cfg.target_bits}")
+    if len(cfg.candidates) < 2:
+        out.append(f"--candidates: give at least two schemes to choose from, got {list(cfg.candidates)}")
+    for c in cfg.candidates:
+        try:
+            assigner = make_assigner(c, cfg.group_size, cfg.ignore, None, cfg.grid)
+        except SqError as e:
+            out += [f"--candidates {c}: {m}" for m in e.problems]
+            continue
+        out += [f"--candidates {c}: {m}" for m in algo.refusals(model, assigner, world, cfg.ep or 1)
+                if "group size" not in m]  # a group size one Linear's width refuses: that unit cannot take it
+    if not algo.calibrated:
+        out.append(f"--target-bits scores every layer on calibration data; --algo {cfg.algo.name} reads none "
+                   "(use gptq, gptaq, awq or signround)")
+    if cfg.recipe is not None:
+        out.append("--target-bits writes the recipe itself; it cannot be given beside --recipe")
+    if any(targets.experts):
+        out.append("--target-bits searches dense Linears; this model has routed experts, which the search "
+                   "does not score yet (use a --recipe for them)")
+    return out
+
+
+def _candidate_schemes(cfg) -> dict[str, QuantScheme]:
+    from sq.formats.schemes import with_int_grid
+
+    return {c: with_int_grid(get_scheme(c, group_size=cfg.group_size), cfg.grid) for c in cfg.candidates}
+
+
+def _allowed(scheme: QuantScheme, lin: Linear) -> bool:
+    """A candidate applies to a Linear whose width its groups divide (else that unit cannot take it)."""
+    return not (scheme.strategy == "group" and scheme.group_size and lin.module.in_features % scheme.group_size)
+
+
+class _Inputs:
+    """Groups a block's Linears by the input tensor they read (the first forward decides)."""
+
+    def __init__(self, linears):
+        self.lead: dict[str, str] = {}
+        self._first: dict[tuple, tuple[str, torch.Tensor]] = {}
+        self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
+
+    def _hook(self, name):
+        def hook(module, args, output):
+            x = args[0]
+            if name not in self.lead:
+                key = (x.data_ptr(), tuple(x.shape), x.dtype)
+                self.lead[name] = self._first.setdefault(key, (name, x))[0]
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self._first.clear()
+
+
+def _score_block(block, linears, schemes, inputs, steps, dummy, autocast) -> tuple[list[Unit], list]:
+    """Every unit of the block x every candidate: the block's output error with that unit alone
+    quantized by RTN (collective: every rank runs the same forwards on its own samples)."""
+    groups = _Inputs(linears)
+    try:
+        ref = block_forward(block, inputs, steps, dummy, autocast=autocast)
+    finally:
+        groups.remove()
+    units: dict[str, list[Linear]] = {}
+    for lin in linears:
+        units.setdefault(groups.lead.get(lin.name, lin.name), []).append(lin)
+    out = []
+    numel = torch.tensor([float(sum(y.numel() for y in ref))], dtype=torch.float64)
+    dist.all_reduce(numel)
+    for lins in units.values():
+        scores = {}
+        for cname, scheme in schemes.items():
+            if not all(_allowed(scheme, lin) for lin in lins):
+                scores[cname] = math.inf
+                continue
+            work = SimpleNamespace(linears=[Linear(l.name, l.module, l.ckpt_prefix, l.owner, scheme) for l in lins],
+                                   row_offset={}, linear_stats={})
+            rtn.reduce_linear_stats(work)  # collective: NVFP4's global scale over the ranks' rows
+            saved = []
+            for lin in lins:
+                local, _ = local_box(lin.module.weight)
+                saved.append((local, local.detach().clone()))
+                deq = rtn.rtn_rows(local.detach(), scheme, work.linear_stats.get(lin.name),
+                                   work.row_offset.get(lin.name, 0)).deq
+                local.data.copy_(deq)
+            try:
+                got = block_forward(block, inputs, steps, dummy, autocast=autocast)
+            finally:
+                for local, orig in saved:
+                    local.data.copy_(orig)
+            err = torch.zeros(1, dtype=torch.float64)
+            for a, b in zip(got, ref):
+                err += (a.double() - b.double()).square().sum()
+            dist.all_reduce(err)
+            scores[cname] = float(err / numel)
+        out.append(Unit([l.name for l in lins], [[l.module.out_features, l.module.in_features] for l in lins], scores))
+    return out, ref
+
+
+def run_search(p) -> Path:
+    """The search for the pipeline ``p`` (``sq.pipeline.blocks._Pipeline``, claimed, root filled): scores
+    (resumed from ``.sq-run/search``), allocation, the recipe written to ``OUT/sq_recipe.yaml``.
+    Returns the recipe's path; every rank gets the same recipe."""
+    cfg, rank = p.cfg, p.rank
+    state = p.run.state.root / SEARCH_DIR
+    keep = p.run.state.enabled  # resume bookkeeping (off only in benchmarks)
+    recipe_path = p.out / RECIPE_FILE
+    done = [None]
+    if rank == 0 and (state / "search.json").is_file():
+        done[0] = json.loads((state / "search.json").read_text())
+    dist.broadcast_object_list(done, src=0)
+    if done[0] is not None:
+        logger.info("--target-bits: the search finished in an earlier run; its recipe is reused")
+        if rank == 0:
+            write_bytes_atomic(recipe_path, done[0]["recipe_text"].encode())
+        dist.barrier()
+        p.search_report = done[0]["report"]
+        return recipe_path
+
+    schemes = _candidate_schemes(cfg)
+    n_blocks = len(p.targets.blocks)
+    have = [None]
+    if rank == 0:
+        have[0] = {b: json.loads((state / f"block-{b:05d}.json").read_text()) for b in range(n_blocks)
+                   if (state / f"block-{b:05d}.json").is_file()}
+    dist.broadcast_object_list(have, src=0)
+    scored: dict[int, list[dict]] = have[0]
+    if scored:
+        logger.info("--target-bits: scores of %d block(s) kept from an earlier run", len(scored))
+    inputs = capture_block0(p.model, p.windows()[rank::p.world], p.device, dtype=p.compute_dtype)
+    steps = math.ceil(math.ceil(cfg.nsamples / p.world) / CALIB_BATCH)
+    dummy = inputs[0]
+    units: list[Unit] = []
+    for b, (prefix, block) in enumerate(p.targets.blocks):
+        if len(scored) == n_blocks:  # every block scored in an earlier run: no forward is needed
+            units += [Unit(**u) for u in scored[b]]
+            continue
+        names = p.weights.block_names(b)
+        p.weights.fill(names)
+        try:
+            if b in scored:
+                block_units = [Unit(**u) for u in scored[b]]
+                outs = block_forward(block, inputs, steps, dummy, autocast=p.autocast)
+            else:
+                block_units, outs = _score_block(block, p.targets.linears[b], schemes, inputs, steps, dummy,
+                                                 p.autocast)
+                if rank == 0 and keep:
+                    state.mkdir(parents=True, exist_ok=True)
+                    write_bytes_atomic(state / f"block-{b:05d}.json",
+                                       json.dumps([u.__dict__ for u in block_units]).encode())
+                p.run.fault_point("search", b)
+                logger.info("--target-bits: block %d/%d scored (%s)", b + 1, n_blocks,
+                            ", ".join(f"{u.key().rsplit('.', 1)[-1]}: " + "/".join(f"{s:.3g}" for s in u.scores.values())
+                                      for u in block_units))
+        finally:
+            p.weights.free(names)
+        units += block_units
+        inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
+        dummy = inputs[0]
+    dtype = p.weight_dtype or torch.bfloat16
+
+    def cost(u: Unit, c: str) -> int:
+        return sum(_bits(schemes[c], o, i, dtype) for o, i in u.shapes)
+
+    reached = allocate(units, cost, cfg.target_bits)
+    text = recipe_text(units, cfg, reached)
+    counts = {c: sum(u.params for u in units if u.choice == c) for c in schemes}
+    total = sum(counts.values())
+    report = {"target_bits": cfg.target_bits, "bits_reached": round(reached, 6), "candidates": list(cfg.candidates),
+              "recipe": RECIPE_FILE, "share_of_weights": {c: round(n / total, 6) for c, n in counts.items()},
+              "bits_per_weight": {c: round(sum(cost(u, c) for u in units) / total, 6) for c in schemes},
+              "units": {u.key(): {"choice": u.choice, "scores": u.scores} for u in units}}
+    if rank == 0:  # the recipe, then the record that the search is over (a kill between: the search reruns)
+        write_bytes_atomic(recipe_path, text.encode())
+        if keep:
+            state.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(state / "search.json", json.dumps({"recipe_text": text, "report": report}).encode())
+    dist.barrier()
+    logger.info("--target-bits %g: %.4f bits per weight reached; %s; recipe %s", cfg.target_bits, reached,
+                ", ".join(f"{c} {100 * n / total:.1f}% of weights" for c, n in counts.items()), recipe_path)
+    p.search_report = report
+    return recipe_path
+
+
+def recipe_text(units: list[Unit], cfg, reached: float) -> str:
+    """The recipe: the cheapest candidate by default, one rule per unit that got another."""
+    cheapest = units[0].choice if units else cfg.candidates[0]
+    counts: dict[str, int] = {}
+    for u in units:
+        counts[u.choice] = counts.get(u.choice, 0) + u.params
+    default = max(counts, key=lambda c: counts[c]) if counts else cheapest
+    lines = [f"# written by sq --target-bits {cfg.target_bits:g} --candidates {','.join(cfg.candidates)}:",
+             f"# {reached:.4f} stored bits per weight over the quantized Linears; edit and rerun with --recipe",
+             f"default: {default}", f"group_size: {cfg.group_size}", "rules:"]
+    rules = [(n, u.choice) for u in units if u.choice != default for n in u.names]
+    for name, choice in rules:
+        lines += [f"  - match: '^{re.escape(name)}$'", f"    scheme: {choice}"]
+    if not rules:
+        lines[-1] = "rules: []"
+    return "\n".join(lines) + "\n"
