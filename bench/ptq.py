@@ -56,7 +56,9 @@ SIGNROUND = ("sr4_w2", "rtn3_w2", "gptq3_w2", "sr3_w2", "eval_sr4_w2", "eval_rtn
 GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaqfull_w2", "gptqfull_w2", "gptaq3_w2", "gptq2_w2", "gptaq2_w2",
          "eval_gptaq_w2", "eval_gptaqlater_w2", "eval_gptaq01_w2", "eval_gptaqfull_w2", "eval_gptqfull_w2",
          "eval_gptaq3_w2", "eval_gptq2_w2", "eval_gptaq2_w2")
-EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ)
+# --target-bits (issue 37): {W4A16 g64, W8A16 g64} at 4.5 and 5.0 stored bits per weight, GPTQ
+SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2")
+EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptqoff": ("gptq", ["--actorder", "off"]),
     "sr4": ("signround", ["--iters", "50"]),
@@ -71,6 +73,9 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptqfull": ("gptq", ["--int-grid", "full"]),
     "gptaq3": ("gptaq", ["--scheme", "W3A16"]),
     "gptaq2": ("gptaq", ["--scheme", "W2A16"]),
+    "tb45": ("gptq", ["--target-bits", "4.5", "--candidates", "W4A16,W8A16"]),
+    "tb50": ("gptq", ["--target-bits", "5.0", "--candidates", "W4A16,W8A16"]),
+    "w8": ("gptq", ["--scheme", "W8A16"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
@@ -200,7 +205,9 @@ def table(recs: dict[str, dict]) -> str:
                        ("gptaq_w2", "sq GPTAQ"), ("gptaqlater_w2", "sq GPTAQ --gptaq-fit later"),
                        ("gptaq01_w2", "sq GPTAQ --gptaq-alpha 0.1"), ("gptqfull_w2", "sq GPTQ --int-grid full"),
                        ("gptaqfull_w2", "sq GPTAQ --int-grid full"), ("gptaq3_w2", "sq GPTAQ W3"),
-                       ("gptq2_w2", "sq GPTQ W2"), ("gptaq2_w2", "sq GPTAQ W2")):
+                       ("gptq2_w2", "sq GPTQ W2"), ("gptaq2_w2", "sq GPTAQ W2"),
+                       ("w8_w2", "sq GPTQ W8A16 g64"), ("tb45_w2", "sq GPTQ --target-bits 4.5 (W4A16, W8A16)"),
+                       ("tb50_w2", "sq GPTQ --target-bits 5.0 (W4A16, W8A16)")):
         q = recs.get(run)
         if not q:
             continue

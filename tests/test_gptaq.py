@@ -18,7 +18,7 @@ from quant_ref import quantize_jobs, read_tensors
 from sq.errors import SqError
 from sq.formats.schemes import get_scheme
 from sq.quant.algorithms import algo_config
-from sq.quant.gptq import GPTAQConfig, GPTQ, _asymmetric_map
+from sq.quant.gptq import GPTAQConfig, GPTQ
 
 ROWS, COLS, TOKENS = 64, 128, 2048
 
