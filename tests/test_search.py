@@ -13,7 +13,7 @@ from harness import run_cli, run_ranks
 from quant_ref import quantize_jobs, read_tensors
 from sq.errors import SqError
 from sq.formats.schemes import get_scheme
-from sq.search import Unit, allocate, effective_bits
+from sq.pipeline.search import Unit, allocate, effective_bits
 
 GS = 16
 

@@ -54,7 +54,7 @@ class PTQConfig:
     trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
-    # mixed precision under a bit budget (sq.search): stored bits per weight, and the schemes to choose from
+    # mixed precision under a bit budget (sq.pipeline.search): stored bits per weight, and the schemes to choose from
     target_bits: float | None = None
     candidates: tuple[str, ...] = ("W4A16", "W8A16")
 

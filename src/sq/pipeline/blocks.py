@@ -26,7 +26,6 @@ Fill/free and gathers to the writer live here; the folder, resume bookkeeping an
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -68,8 +67,8 @@ from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
 from sq.probe import Choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
-from sq.run import Run, raise_all, signature, versions
-from sq.search import run_search, search_problems
+from sq.run import Run, signature, versions
+from sq.pipeline.search import apply_search, search_problems
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class _Pipeline:
         self.choice: Choice | None = None
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
-        self.search_report: dict | None = None  # --target-bits (sq.search), when it ran in this process
+        self.search_report: dict | None = None  # --target-bits (sq.pipeline.search), when it ran in this process
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
         # their shards, every few blocks where calibration forwards churn activations (sq.memory)
         self.trim = HeapTrim() if self.calibrated else HeapTrim(every=1)
@@ -196,18 +195,6 @@ class _Pipeline:
         """Linears an earlier run of this job left unquantized for NaN/Inf (written raw in their block)."""
         for b, ls in enumerate(self.targets.linears):
             self.targets.linears[b] = [l for l in ls if l.name not in self.run.skipped]
-
-    def search(self) -> None:
-        """``--target-bits``: the recipe chosen by ``sq.search`` (or the one an earlier run of the job
-        chose) becomes the job's assignment; the refusals are checked again for it, on every rank."""
-        recipe = run_search(self)
-        cfg = dataclasses.replace(self.cfg, recipe=str(recipe))
-        self.assigner = cfg.assigner()
-        self.targets = plan_targets(self.model, self.assigner, self.weights, self.world)
-        self.observing = cfg.observes(self.assigner)
-        raise_all(model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated),
-                  "the searched recipe's checks")
-        self._drop_skipped()
 
     def calibration_inputs(self, start: int) -> None:
         """This rank's samples ``rank::world`` -> block-0 inputs, or both chains from the cache."""
@@ -544,7 +531,7 @@ def _run_blocks(p: _Pipeline) -> dict:
         parallelize(p.compute_dtype)
     weights.fill(weights.root_names)
     if p.cfg.target_bits is not None:
-        p.search()
+        apply_search(p)
     if p.calibrated and start < n_blocks:
         p.calibration_inputs(start)
     p.progress = block_progress(n_blocks, start, bar=p.rank == 0)

@@ -25,6 +25,7 @@ refused with ``--target-bits``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -42,11 +43,13 @@ from sq.files import write_bytes_atomic
 from sq.formats.compressed import compress_weight
 from sq.formats.schemes import QuantScheme, get_scheme
 from sq.load.fill import local_box
+from sq.pipeline.targets import model_problems, plan_targets
 from sq.quant import rtn
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.work import Linear
+from sq.run import raise_all
 
-__all__ = ["effective_bits", "allocate", "Unit", "SEARCH_DIR", "RECIPE_FILE", "search_problems"]
+__all__ = ["effective_bits", "allocate", "apply_search", "Unit", "SEARCH_DIR", "RECIPE_FILE", "search_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +240,18 @@ def _score_block(block, linears, schemes, inputs, steps, dummy, autocast) -> tup
             scores[cname] = float(err / numel)
         out.append(Unit([l.name for l in lins], [[l.module.out_features, l.module.in_features] for l in lins], scores))
     return out, ref
+
+
+def apply_search(p) -> None:
+    """``--target-bits`` in the pipeline ``p``: the recipe chosen by ``run_search`` (or the one an earlier
+    run of the job chose) becomes the job's assignment; the refusals are checked again for it, on every rank."""
+    recipe = run_search(p)
+    cfg = dataclasses.replace(p.cfg, recipe=str(recipe))
+    p.assigner = cfg.assigner()
+    p.targets = plan_targets(p.model, p.assigner, p.weights, p.world)
+    p.observing = cfg.observes(p.assigner)
+    raise_all(model_problems(p.model, cfg, p.assigner, p.algo, p.targets, p.calibrated), "the searched recipe's checks")
+    p._drop_skipped()
 
 
 def run_search(p) -> Path:
