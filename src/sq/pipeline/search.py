@@ -41,7 +41,9 @@ import torch.distributed as dist
 from sq.errors import SqError
 from sq.files import write_bytes_atomic
 from sq.formats.compressed import compress_weight
-from sq.formats.schemes import QuantScheme, get_scheme
+from sq.formats.schemes import PRESET_NAMES, QuantScheme, get_scheme
+from sq.anatomy import EXPERT_PARAMS
+from sq.formats.specs import required_reductions
 from sq.load.fill import local_box
 from sq.pipeline.targets import model_problems, plan_targets
 from sq.quant import rtn
@@ -160,8 +162,10 @@ def search_problems(cfg, model, algo, targets, world: int) -> list[str]:
     if cfg.recipe is not None:
         out.append("--target-bits writes the recipe itself; it cannot be given beside --recipe")
     if any(targets.experts):
-        out.append("--target-bits searches dense Linears; this model has routed experts, which the search "
-                   "does not score yet (use a --recipe for them)")
+        reducing = [c for c in cfg.candidates if c in PRESET_NAMES and required_reductions(get_scheme(c, group_size=cfg.group_size))]
+        if reducing:
+            out.append(f"--candidates {', '.join(reducing)}: scales with a statistic across a weight's rows "
+                       "(global or per-tensor) are not scored on routed experts yet; this model has them")
     return out
 
 
@@ -171,9 +175,16 @@ def _candidate_schemes(cfg) -> dict[str, QuantScheme]:
     return {c: with_int_grid(get_scheme(c, group_size=cfg.group_size), cfg.grid) for c in cfg.candidates}
 
 
-def _allowed(scheme: QuantScheme, lin: Linear) -> bool:
-    """A candidate applies to a Linear whose width its groups divide (else that unit cannot take it)."""
-    return not (scheme.strategy == "group" and scheme.group_size and lin.module.in_features % scheme.group_size)
+def _allowed(scheme: QuantScheme, in_features: int) -> bool:
+    """A candidate applies to a weight whose width its groups divide (else that unit cannot take it)."""
+    return not (scheme.strategy == "group" and scheme.group_size and in_features % scheme.group_size)
+
+
+def _allowed_experts(scheme: QuantScheme, shapes) -> bool:
+    """A candidate applies to an experts module when its groups divide both projections' widths and its
+    scales follow the rows alone (no statistic across an expert's rows: NVFP4's global scale, FP8's
+    per-tensor scale are not scored on experts yet)."""
+    return all(_allowed(scheme, i) for _, i in shapes) and not required_reductions(scheme)
 
 
 class _Inputs:
@@ -198,26 +209,39 @@ class _Inputs:
         self._first.clear()
 
 
-def _score_block(block, linears, schemes, inputs, steps, dummy, autocast) -> tuple[list[Unit], list]:
+def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocast) -> tuple[list[Unit], list]:
     """Every unit of the block x every candidate: the block's output error with that unit alone
-    quantized by RTN (collective: every rank runs the same forwards on its own samples)."""
+    quantized by RTN (collective: every rank runs the same forwards on its own samples).  Units: the
+    dense Linears grouped by the input they read, then each routed-experts module whole (a recipe
+    names experts by their module: all its experts take one scheme)."""
     groups = _Inputs(linears)
     try:
         ref = block_forward(block, inputs, steps, dummy, autocast=autocast)
     finally:
         groups.remove()
-    units: dict[str, list[Linear]] = {}
+    dense: dict[str, list[Linear]] = {}
     for lin in linears:
-        units.setdefault(groups.lead.get(lin.name, lin.name), []).append(lin)
-    out = []
+        dense.setdefault(groups.lead.get(lin.name, lin.name), []).append(lin)
     numel = torch.tensor([float(sum(y.numel() for y in ref))], dtype=torch.float64)
     dist.all_reduce(numel)
-    for lins in units.values():
-        scores = {}
-        for cname, scheme in schemes.items():
-            if not all(_allowed(scheme, lin) for lin in lins):
-                scores[cname] = math.inf
-                continue
+
+    def score(quantize) -> float:
+        """The block's output error with ``quantize()``'s changes to the local weights (it returns the
+        tensors it changed, with their saved values, to put back)."""
+        saved = quantize()
+        try:
+            got = block_forward(block, inputs, steps, dummy, autocast=autocast)
+        finally:
+            for local, orig in saved:
+                local.data.copy_(orig)
+        err = torch.zeros(1, dtype=torch.float64)
+        for a, b in zip(got, ref):
+            err += (a.double() - b.double()).square().sum()
+        dist.all_reduce(err)
+        return float(err / numel)
+
+    def dense_rtn(lins, scheme):
+        def quantize():
             work = SimpleNamespace(linears=[Linear(l.name, l.module, l.ckpt_prefix, l.owner, scheme) for l in lins],
                                    row_offset={}, linear_stats={})
             rtn.reduce_linear_stats(work)  # collective: NVFP4's global scale over the ranks' rows
@@ -225,20 +249,33 @@ def _score_block(block, linears, schemes, inputs, steps, dummy, autocast) -> tup
             for lin in lins:
                 local, _ = local_box(lin.module.weight)
                 saved.append((local, local.detach().clone()))
-                deq = rtn.rtn_rows(local.detach(), scheme, work.linear_stats.get(lin.name),
-                                   work.row_offset.get(lin.name, 0)).deq
-                local.data.copy_(deq)
-            try:
-                got = block_forward(block, inputs, steps, dummy, autocast=autocast)
-            finally:
-                for local, orig in saved:
-                    local.data.copy_(orig)
-            err = torch.zeros(1, dtype=torch.float64)
-            for a, b in zip(got, ref):
-                err += (a.double() - b.double()).square().sum()
-            dist.all_reduce(err)
-            scores[cname] = float(err / numel)
+                local.data.copy_(rtn.rtn_rows(local.detach(), scheme, work.linear_stats.get(lin.name),
+                                              work.row_offset.get(lin.name, 0)).deq)
+            return saved
+        return quantize
+
+    def experts_rtn(ex, scheme):
+        def quantize():  # row-local schemes only (_allowed_experts): each local expert's rows alone
+            saved = []
+            for pname in EXPERT_PARAMS:
+                local, _ = local_box(ex._parameters[pname])
+                saved.append((local, local.detach().clone()))
+                for i in range(local.shape[0]):
+                    if local.shape[1]:
+                        local[i].data.copy_(rtn.rtn_rows(local[i].detach(), scheme).deq)
+            return saved
+        return quantize
+
+    out = []
+    for lins in dense.values():
+        scores = {c: score(dense_rtn(lins, sc)) if all(_allowed(sc, lin.module.in_features) for lin in lins)
+                  else math.inf for c, sc in schemes.items()}
         out.append(Unit([l.name for l in lins], [[l.module.out_features, l.module.in_features] for l in lins], scores))
+    for eprefix, ex, _ in experts:
+        shapes = [list(ex._parameters[pn].shape[1:]) for pn in EXPERT_PARAMS] * ex._parameters["down_proj"].shape[0]
+        scores = {c: score(experts_rtn(ex, sc)) if _allowed_experts(sc, shapes) else math.inf
+                  for c, sc in schemes.items()}
+        out.append(Unit([eprefix], [list(map(int, sh)) for sh in shapes], scores))
     return out, ref
 
 
@@ -299,8 +336,8 @@ def run_search(p) -> Path:
                 block_units = [Unit(**u) for u in scored[b]]
                 outs = block_forward(block, inputs, steps, dummy, autocast=p.autocast)
             else:
-                block_units, outs = _score_block(block, p.targets.linears[b], schemes, inputs, steps, dummy,
-                                                 p.autocast)
+                block_units, outs = _score_block(block, p.targets.linears[b], p.targets.experts[b], schemes, inputs,
+                                                 steps, dummy, p.autocast)
                 if rank == 0 and keep:
                     state.mkdir(parents=True, exist_ok=True)
                     write_bytes_atomic(state / f"block-{b:05d}.json",
