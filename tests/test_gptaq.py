@@ -156,8 +156,16 @@ def test_cli_flag_belongs_to_gptaq(checkpoints, tmp_path):
 
 
 def _job(model, out, algo, **kw) -> dict:
+    # one grid for both algorithms (GPTAQ's auto grid is the full one, GPTQ's the standard)
     return dict(model=str(model), output=str(out), algo=algo, scheme="W4A16", group_size=16, nsamples=4, seqlen=16,
-                timeout_s=120, **kw)
+                timeout_s=120, int_grid="standard", **kw)
+
+
+def test_auto_grid_is_the_full_one():
+    from sq.config import PTQConfig
+
+    assert PTQConfig.build(model="m", output="o", algo="gptaq").grid == "full"
+    assert PTQConfig.build(model="m", output="o", algo="gptq").grid == "standard"
 
 
 def test_pipeline_alpha_zero_is_gptq_and_alpha_moves_the_weights(checkpoints, tmp_path):

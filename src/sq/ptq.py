@@ -91,8 +91,8 @@ def build_parser() -> ArgParser:
                    help="the grid of symmetric integer schemes: standard (compressed-tensors' and "
                         "llm-compressor's: scale = absmax / 7.5 for int4), full (auto-round's: each group's "
                         "larger-magnitude extreme lands on -8, so the scale is signed; lower weight error, "
-                        "other bits than llm-compressor's), or auto (full for --algo signround, as auto-round; "
-                        "standard otherwise); a recipe's scheme may name its own int_grid")
+                        "other bits than llm-compressor's), or auto (full for --algo signround, as auto-round, "
+                        "and for --algo gptaq; standard otherwise); a recipe's scheme may name its own int_grid")
     p.add_argument("--target-bits", type=float, default=None, metavar="BITS",
                    help="mixed precision under a budget: score every Linear (fused partners together) under each "
                         "of --candidates on the calibration data, choose per Linear so that the stored bits per "
