@@ -20,8 +20,8 @@ Inside the job, after the output folder is claimed and before the first block is
 
 Resumable: each block's scores are kept in ``.sq-run/search/`` (rank 0 writes, every rank reads the
 same); a rerun scores only the blocks left (the chain through the scored ones is a forward), and once
-the recipe is written it is read back as it is.  Dense Linears only for now: routed experts are
-refused with ``--target-bits``.
+the recipe is written it is read back as it is.  A routed-experts module is one unit (a recipe names
+experts by their module), scored under candidates whose scales follow rows alone.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from sq.anatomy import EXPERT_PARAMS
 from sq.errors import SqError
 from sq.files import write_bytes_atomic
 from sq.formats.compressed import compress_weight
-from sq.formats.schemes import PRESET_NAMES, QuantScheme, get_scheme
-from sq.anatomy import EXPERT_PARAMS
-from sq.formats.specs import required_reductions
+from sq.formats.schemes import PRESET_NAMES, QuantScheme, get_scheme, with_int_grid
+from sq.formats.specs import activation_observers, required_reductions
 from sq.load.fill import local_box
 from sq.pipeline.targets import model_problems, plan_targets
 from sq.quant import rtn
@@ -62,7 +62,8 @@ RECIPE_FILE = "sq_recipe.yaml"
 
 @dataclass
 class Unit:
-    """Linears that must share a scheme (one input tensor), scored and chosen together."""
+    """Linears that must share a scheme (one input tensor), or one routed-experts module, scored and
+    chosen together."""
 
     names: list[str]
     shapes: list[list[int]]  # each Linear's [out, in]
@@ -91,8 +92,6 @@ def _bits(scheme: QuantScheme, out_features: int, in_features: int, dtype: torch
 
 
 def _static_scales(scheme: QuantScheme) -> list[str]:
-    from sq.formats.specs import activation_observers
-
     return [o.name for o in activation_observers(scheme)]
 
 
@@ -167,12 +166,32 @@ def search_problems(cfg, model, algo, targets, world: int) -> list[str]:
         if reducing:
             out.append(f"--candidates {', '.join(reducing)}: scales with a statistic across a weight's rows "
                        "(global or per-tensor) are not scored on routed experts yet; this model has them")
+    if not out:  # the budget against the least any allocation can store, before hours of scoring
+        floor = _least_bits(targets, _candidate_schemes(cfg))
+        if floor is not None and floor > cfg.target_bits:
+            out.append(f"--target-bits {cfg.target_bits:g} is below what the cheapest candidates store on this "
+                       f"model ({floor:.4f} bits per weight)")
     return out
 
 
-def _candidate_schemes(cfg) -> dict[str, QuantScheme]:
-    from sq.formats.schemes import with_int_grid
+def _least_bits(targets, schemes: dict[str, QuantScheme]) -> float | None:
+    """The stored bits per weight of every searched weight at its cheapest allowed candidate (a lower
+    bound of any allocation: fused partners may not all allow the same one)."""
+    bits = params = 0
+    for b, lins in enumerate(targets.linears):
+        shapes = [(l.module.out_features, l.module.in_features, l.module.weight.dtype) for l in lins]
+        for _, ex, _ in targets.experts[b]:
+            n = ex._parameters["down_proj"].shape[0]
+            shapes += [(*ex._parameters[pn].shape[1:], ex._parameters[pn].dtype) for pn in EXPERT_PARAMS] * n
+        for o, i, dt in shapes:
+            costs = [_bits(sc, o, i, dt) for sc in schemes.values() if _allowed(sc, i)]
+            if costs:
+                bits += min(costs)
+                params += o * i
+    return bits / params if params else None
 
+
+def _candidate_schemes(cfg) -> dict[str, QuantScheme]:
     return {c: with_int_grid(get_scheme(c, group_size=cfg.group_size), cfg.grid) for c in cfg.candidates}
 
 
