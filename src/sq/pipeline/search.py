@@ -48,7 +48,7 @@ from sq.formats.specs import activation_observers, required_reductions
 from sq.load.fill import local_box
 from sq.pipeline.targets import model_problems, plan_targets
 from sq.quant import rtn
-from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
+from sq.quant.forward import CALIB_BATCH, InputLeaders, block_forward, capture_block0
 from sq.quant.work import Linear
 from sq.run import raise_all
 
@@ -207,28 +207,6 @@ def _allowed_experts(scheme: QuantScheme, shapes) -> bool:
     return all(_allowed(scheme, i) for _, i in shapes) and not required_reductions(scheme)
 
 
-class _Inputs:
-    """Groups a block's Linears by the input tensor they read (the first forward decides)."""
-
-    def __init__(self, linears):
-        self.lead: dict[str, str] = {}
-        self._first: dict[tuple, tuple[str, torch.Tensor]] = {}
-        self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
-
-    def _hook(self, name):
-        def hook(module, args, output):
-            x = args[0]
-            if name not in self.lead:
-                key = (x.data_ptr(), tuple(x.shape), x.dtype)
-                self.lead[name] = self._first.setdefault(key, (name, x))[0]
-        return hook
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        self._first.clear()
-
-
 def _unit_rms(y: torch.Tensor) -> torch.Tensor:
     """Each token's hidden state over its root mean square (float64): the residual stream as every
     Linear downstream reads it, through an RMSNorm.  An error in a token's few huge "massive activation"
@@ -242,14 +220,23 @@ def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocas
     quantized by RTN (collective: every rank runs the same forwards on its own samples).  Units: the
     dense Linears grouped by the input they read, then each routed-experts module whole (a recipe
     names experts by their module: all its experts take one scheme)."""
-    groups = _Inputs(linears)
+    leaders = InputLeaders()
+
+    def see(name):
+        def hook(module, args, output):  # returns None: the output stands
+            leaders.of(name, args[0])
+        return hook
+
+    hooks = [lin.module.register_forward_hook(see(lin.name)) for lin in linears]
     try:
         ref = block_forward(block, inputs, steps, dummy, autocast=autocast)
     finally:
-        groups.remove()
+        for h in hooks:
+            h.remove()
+        leaders.release()
     dense: dict[str, list[Linear]] = {}
     for lin in linears:
-        dense.setdefault(groups.lead.get(lin.name, lin.name), []).append(lin)
+        dense.setdefault(leaders.lead.get(lin.name, lin.name), []).append(lin)
     numel = torch.tensor([float(sum(y.numel() for y in ref))], dtype=torch.float64)
     dist.all_reduce(numel)
 

@@ -210,6 +210,26 @@ def block_forward(block: nn.Module, inputs, steps: int, dummy, counters=(), auto
     return outs
 
 
+class InputLeaders:
+    """Which Linears read the very same input tensor (q/k/v, gate/up): each one's leader is the first
+    to read it.  The first batch decides, its inputs kept alive meanwhile so that no address can be
+    reused by another tensor."""
+
+    def __init__(self):
+        self.lead: dict[str, str] = {}
+        self._first: dict[tuple, tuple[str, torch.Tensor]] = {}
+
+    def of(self, name: str, x: torch.Tensor) -> str:
+        if name not in self.lead:
+            key = (x.data_ptr(), tuple(x.shape), x.dtype)
+            self.lead[name] = self._first.setdefault(key, (name, x))[0]
+        return self.lead[name]
+
+    def release(self) -> None:
+        """Let the first batch's inputs go (the leaders stay)."""
+        self._first.clear()
+
+
 def paired_forward(block: nn.Module, fp_inputs, inputs, steps: int, dummy, counters=(),
                    autocast: torch.dtype | None = None) -> list[torch.Tensor]:
     """Each batch through ``block`` twice, the full-precision chain's then the quantized chain's: the

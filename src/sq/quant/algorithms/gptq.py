@@ -14,7 +14,7 @@ from sq.quant.algorithms.base import Algorithm, register
 from sq.quant.rtn import rtn_rows
 from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import ExpertCalibration, local_experts
-from sq.quant.forward import block_forward, paired_forward
+from sq.quant.forward import InputLeaders, block_forward, paired_forward
 from sq.formats import primitives
 from sq.formats.specs import spec_for
 from sq.quant.experts import whole_rows_stats
@@ -31,8 +31,8 @@ EXPERT_STACK_ELEMS = 1 << 24
 class Counting:
     """Forward hooks on Linears that feed GPTQ Hessians, switched off for dummy batches.
 
-    Linears that read the very same input tensor (q/k/v, gate/up) share one accumulator: the
-    first batch decides, with its inputs kept alive so no address can be reused meanwhile.
+    Linears that read the very same input tensor (q/k/v, gate/up) share one accumulator
+    (``InputLeaders``).
 
     ``paired`` (GPTAQ, ``sq.quant.forward.paired_forward``): while ``capturing``, a forward on the
     full-precision chain only keeps each Linear's input; the next forward, on the quantized chain's
@@ -45,9 +45,8 @@ class Counting:
         self.paired = paired
         self.capturing = False
         self.fp_in: dict[str, torch.Tensor] = {}
-        self.leader: dict[str, str] = {}
+        self.leaders = InputLeaders()
         self.gptq: dict[str, GPTQ] = {}
-        self._first: dict[tuple, tuple[str, torch.Tensor]] = {}
         self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
 
     def _hook(self, name):
@@ -57,13 +56,10 @@ class Counting:
                 if self.paired:
                     self.fp_in[name] = x
                 return
-            if name not in self.leader:
-                key = (x.data_ptr(), tuple(x.shape), x.dtype)
-                lead = self._first.setdefault(key, (name, x))[0]
-                self.leader[name] = lead
-                if lead == name:
-                    self.gptq[name] = GPTQ(module.in_features, device=self.device)
-            if self.on and self.leader[name] == name:
+            lead = self.leaders.of(name, x)
+            if lead == name and name not in self.gptq:
+                self.gptq[name] = GPTQ(module.in_features, device=self.device)
+            if self.on and lead == name:
                 if self.paired and name not in self.fp_in:
                     raise SqError(f"{name}: not called in the block's forward on the full-precision chain, "
                                   "so GPTAQ has no inputs to pair with the quantized chain's")
@@ -75,12 +71,12 @@ class Counting:
         self.fp_in.clear()
 
     def get(self, name: str) -> GPTQ | None:
-        return self.gptq.get(self.leader.get(name, ""))
+        return self.gptq.get(self.leaders.lead.get(name, ""))
 
     def remove(self):
         for h in self.handles:
             h.remove()
-        self._first.clear()
+        self.leaders.release()
 
 
 @register
