@@ -79,13 +79,17 @@ def _argv(model, out, *extra) -> list[str]:
             "--seqlen", "16", "--timeout", "120", "--target-bits", "8", "--candidates", "W4A16,W8A16", *extra]
 
 
-@pytest.fixture(scope="module")
-def searched(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("search")
+def _search_runs(checkpoint, root):
+    """The same search at 2 ranks and at 1 (``root / w2``, ``root / w1``)."""
     for world in (2, 1):
-        errors = run_ranks(quantize_jobs, world, [_job(checkpoints["llama"], root / f"w{world}")], timeout=600)[0]
+        errors = run_ranks(quantize_jobs, world, [_job(checkpoint, root / f"w{world}")], timeout=600)[0]
         assert errors == [None], errors
     return root
+
+
+@pytest.fixture(scope="module")
+def searched(checkpoints, tmp_path_factory):
+    return _search_runs(checkpoints["llama"], tmp_path_factory.mktemp("search"))
 
 
 def test_search_writes_the_recipe_it_quantized_with(searched):
@@ -174,11 +178,7 @@ def test_refused_on_every_rank_before_writing(checkpoints, tmp_path, extra, why)
 
 @pytest.fixture(scope="module")
 def searched_moe(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("search-moe")
-    for world in (2, 1):
-        errors = run_ranks(quantize_jobs, world, [_job(checkpoints["qwen3_moe"], root / f"w{world}")], timeout=600)[0]
-        assert errors == [None], errors
-    return root
+    return _search_runs(checkpoints["qwen3_moe"], tmp_path_factory.mktemp("search-moe"))
 
 
 def test_moe_experts_module_is_one_unit(searched_moe):
