@@ -6,9 +6,10 @@ Inside the job, after the output folder is claimed and before the first block is
 
 1. **Score.**  Block by block, on the full-precision chain (this rank's calibration windows), every
    *unit* is quantized with each candidate by round-to-nearest, alone, and the block run again:
-   its score is the mean squared error of the block's output against the full-precision output,
-   each token's hidden state divided by its RMS first (``_unit_rms``: as the next RMSNorm hands it
-   on), over every rank's tokens.  A unit is the Linears that read one input tensor (q/k/v,
+   its score is the mean squared error of the block's output against the full-precision output in
+   the residual stream, over every rank's tokens.  (Each token's state over its RMS first, as the
+   next norm reads it, was tried: on SmolLM2 at 4.5 bits 12.95 against 12.39, the absolute error's
+   late blocks being where an error reaches the logits least damped.)  A unit is the Linears that read one input tensor (q/k/v,
    gate/up: an engine fuses them, so they must share a scheme), found by the forward itself, or
    one Linear.  Each rank quantizes its own rows (the scores are all-reduced), so the memory is
    the pipeline's: one block.
@@ -207,14 +208,6 @@ def _allowed_experts(scheme: QuantScheme, shapes) -> bool:
     return all(_allowed(scheme, i) for _, i in shapes) and not required_reductions(scheme)
 
 
-def _unit_rms(y: torch.Tensor) -> torch.Tensor:
-    """Each token's hidden state over its root mean square (float64): the residual stream as every
-    Linear downstream reads it, through an RMSNorm.  An error in a token's few huge "massive activation"
-    channels counts for what it changes there, not for its absolute size."""
-    y = y.double()
-    return y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True).clamp_min(1e-30))
-
-
 def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocast) -> tuple[list[Unit], list]:
     """Every unit of the block x every candidate: the block's output error with that unit alone
     quantized by RTN (collective: every rank runs the same forwards on its own samples).  Units: the
@@ -251,7 +244,7 @@ def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocas
                 local.data.copy_(orig)
         err = torch.zeros(1, dtype=torch.float64)
         for a, b in zip(got, ref):
-            err += (_unit_rms(a) - _unit_rms(b)).square().sum()
+            err += (a.double() - b.double()).square().sum()
         dist.all_reduce(err)
         return float(err / numel)
 
