@@ -57,7 +57,7 @@ GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaqfull_w2", "gptqfull_w2
          "eval_gptaq_w2", "eval_gptaqlater_w2", "eval_gptaq01_w2", "eval_gptaqfull_w2", "eval_gptqfull_w2",
          "eval_gptaq3_w2", "eval_gptq2_w2", "eval_gptaq2_w2")
 # --target-bits (issue 37): {W4A16 g64, W8A16 g64} at 4.5 and 5.0 stored bits per weight, GPTQ
-SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2")
+SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2", "tbfp_w2", "eval_tbfp_w2")
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptqoff": ("gptq", ["--actorder", "off"]),
@@ -76,6 +76,7 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "tb45": ("gptq", ["--target-bits", "4.5", "--candidates", "W4A16,W8A16"]),
     "tb50": ("gptq", ["--target-bits", "5.0", "--candidates", "W4A16,W8A16"]),
     "w8": ("gptq", ["--scheme", "W8A16"]),
+    "tbfp": ("gptq", ["--target-bits", "5.5", "--candidates", "NVFP4A16,FP8_DYNAMIC"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
@@ -207,7 +208,8 @@ def table(recs: dict[str, dict]) -> str:
                        ("gptaqfull_w2", "sq GPTAQ --int-grid full"), ("gptaq3_w2", "sq GPTAQ W3"),
                        ("gptq2_w2", "sq GPTQ W2"), ("gptaq2_w2", "sq GPTAQ W2"),
                        ("w8_w2", "sq GPTQ W8A16 g64"), ("tb45_w2", "sq GPTQ --target-bits 4.5 (W4A16, W8A16)"),
-                       ("tb50_w2", "sq GPTQ --target-bits 5.0 (W4A16, W8A16)")):
+                       ("tb50_w2", "sq GPTQ --target-bits 5.0 (W4A16, W8A16)"),
+                       ("tbfp_w2", "sq GPTQ --target-bits 5.5 (NVFP4A16, FP8_DYNAMIC)")):
         q = recs.get(run)
         if not q:
             continue
