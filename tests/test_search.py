@@ -167,6 +167,7 @@ def test_killed_after_the_search_reuses_its_recipe(checkpoints, searched, tmp_pa
     (["--candidates", "W4A16,W9A16"], "--candidates W9A16"),
     (["--recipe", "r.yaml"], "cannot be given beside --recipe"),
     (["--target-bits", "5"], "below what the cheapest candidates store on this model (6.02"),
+    (["--algo", "rtn", "--model-free"], "model-free quantization reads no calibration data, but --target-bits"),
 ])
 def test_refused_on_every_rank_before_writing(checkpoints, tmp_path, extra, why):
     (tmp_path / "r.yaml").write_text("default: W4A16\n")

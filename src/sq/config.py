@@ -120,6 +120,8 @@ class PTQConfig:
             return "static activation scales (FP8 input_scale, NVFP4 input_global_scale)"
         if self.kv_cache != "none":
             return f"--kv-cache {self.kv_cache}"
+        if self.target_bits is not None:
+            return "--target-bits (its scores run calibration data)"
         return None
 
     def observes(self, assigner) -> bool:
