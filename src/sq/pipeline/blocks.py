@@ -68,7 +68,7 @@ from sq.report import block_progress, summary_lines, write_report_png
 from sq.probe import Choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
-from sq.pipeline.search import apply_search, search_problems
+from sq.pipeline.search import apply_search, cost_dtype, search_problems
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class _Pipeline:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
         problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
-        problems += search_problems(cfg, self.model, self.algo, self.targets, self.world)
+        problems += search_problems(cfg, self.model, self.algo, self.targets, self.world, cost_dtype(self.weight_dtype))
         if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
             problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
                             "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")

@@ -53,7 +53,8 @@ from sq.quant.forward import CALIB_BATCH, InputLeaders, block_forward, capture_b
 from sq.quant.work import Linear
 from sq.run import raise_all
 
-__all__ = ["effective_bits", "allocate", "apply_search", "Unit", "SEARCH_DIR", "RECIPE_FILE", "search_problems"]
+__all__ = ["effective_bits", "allocate", "apply_search", "cost_dtype", "Unit", "SEARCH_DIR", "RECIPE_FILE",
+           "search_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +89,14 @@ def _bits(scheme: QuantScheme, out_features: int, in_features: int, dtype: torch
     solved = rtn.rtn_rows(w, scheme)
     tensors = compress_weight((solved.q, solved.scale, solved.zero_point), scheme, tuple(w.shape),
                               global_scale=solved.global_scale,
-                              activation_scales={k: torch.ones(1) for k in _static_scales(scheme)})
+                              activation_scales={o.name: torch.ones(1) for o in activation_observers(scheme)})
     return sum(t.numel() * t.element_size() * 8 for t in tensors.values())
 
 
-def _static_scales(scheme: QuantScheme) -> list[str]:
-    return [o.name for o in activation_observers(scheme)]
+def _expert_shapes(ex) -> list[tuple[int, int]]:
+    """Every expert's two projections, ``[out, in]`` each (``E x`` gate/up then down), as a unit's shapes."""
+    n_experts = ex._parameters["down_proj"].shape[0]
+    return [tuple(int(d) for d in ex._parameters[pn].shape[1:]) for pn in EXPERT_PARAMS] * n_experts
 
 
 def effective_bits(scheme: QuantScheme, out_features: int, in_features: int,
@@ -137,9 +140,10 @@ def allocate(units: list[Unit], cost, target: float) -> float:
         used += extra
 
 
-def search_problems(cfg, model, algo, targets, world: int) -> list[str]:
+def search_problems(cfg, model, algo, targets, world: int, dtype: torch.dtype) -> list[str]:
     """Refusals of ``--target-bits`` (identical on every rank), before anything is written: the
-    settings, and each candidate as the algorithm would take it on this model."""
+    settings, each candidate as the algorithm would take it on this model, and the budget against
+    what the cheapest candidates store on ``dtype`` weights (``cost_dtype``, as the allocation counts)."""
     from sq.quant.recipe import make_assigner
 
     out = []
@@ -168,28 +172,32 @@ def search_problems(cfg, model, algo, targets, world: int) -> list[str]:
             out.append(f"--candidates {', '.join(reducing)}: scales with a statistic across a weight's rows "
                        "(global or per-tensor) are not scored on routed experts yet; this model has them")
     if not out:  # the budget against the least any allocation can store, before hours of scoring
-        floor = _least_bits(targets, _candidate_schemes(cfg))
+        floor = _least_bits(targets, _candidate_schemes(cfg), dtype)
         if floor is not None and floor > cfg.target_bits:
             out.append(f"--target-bits {cfg.target_bits:g} is below what the cheapest candidates store on this "
                        f"model ({floor:.4f} bits per weight)")
     return out
 
 
-def _least_bits(targets, schemes: dict[str, QuantScheme]) -> float | None:
+def _least_bits(targets, schemes: dict[str, QuantScheme], dtype: torch.dtype) -> float | None:
     """The stored bits per weight of every searched weight at its cheapest allowed candidate (a lower
-    bound of any allocation: fused partners may not all allow the same one)."""
+    bound of any allocation: fused partners may not all allow the same one), for ``dtype`` weights."""
     bits = params = 0
     for b, lins in enumerate(targets.linears):
-        shapes = [(l.module.out_features, l.module.in_features, l.module.weight.dtype) for l in lins]
+        shapes = [(l.module.out_features, l.module.in_features) for l in lins]
         for _, ex, _ in targets.experts[b]:
-            n = ex._parameters["down_proj"].shape[0]
-            shapes += [(*ex._parameters[pn].shape[1:], ex._parameters[pn].dtype) for pn in EXPERT_PARAMS] * n
-        for o, i, dt in shapes:
-            costs = [_bits(sc, o, i, dt) for sc in schemes.values() if _allowed(sc, i)]
+            shapes += _expert_shapes(ex)
+        for o, i in shapes:
+            costs = [_bits(sc, o, i, dtype) for sc in schemes.values() if _allowed(sc, i)]
             if costs:
                 bits += min(costs)
                 params += o * i
     return bits / params if params else None
+
+
+def cost_dtype(weight_dtype: torch.dtype | None) -> torch.dtype:
+    """The weight dtype bits are counted for (scales are stored in it): the checkpoint's."""
+    return weight_dtype or torch.bfloat16
 
 
 def _candidate_schemes(cfg) -> dict[str, QuantScheme]:
@@ -280,10 +288,10 @@ def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocas
                   else math.inf for c, sc in schemes.items()}
         out.append(Unit([l.name for l in lins], [[l.module.out_features, l.module.in_features] for l in lins], scores))
     for eprefix, ex, _ in experts:
-        shapes = [list(ex._parameters[pn].shape[1:]) for pn in EXPERT_PARAMS] * ex._parameters["down_proj"].shape[0]
+        shapes = _expert_shapes(ex)
         scores = {c: score(experts_rtn(ex, sc)) if _allowed_experts(sc, shapes) else math.inf
                   for c, sc in schemes.items()}
-        out.append(Unit([eprefix], [list(map(int, sh)) for sh in shapes], scores))
+        out.append(Unit([eprefix], [list(sh) for sh in shapes], scores))
     return out, ref
 
 
@@ -360,7 +368,7 @@ def run_search(p) -> Path:
         units += block_units
         inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
         dummy = inputs[0]
-    dtype = p.weight_dtype or torch.bfloat16
+    dtype = cost_dtype(p.weight_dtype)
 
     def cost(u: Unit, c: str) -> int:
         return sum(_bits(schemes[c], o, i, dtype) for o, i in u.shapes)
@@ -386,12 +394,12 @@ def run_search(p) -> Path:
 
 
 def recipe_text(units: list[Unit], cfg, reached: float) -> str:
-    """The recipe: the cheapest candidate by default, one rule per unit that got another."""
-    cheapest = units[0].choice if units else cfg.candidates[0]
+    """The recipe: the candidate holding most weights by default, one rule per Linear (or experts
+    module) that got another."""
     counts: dict[str, int] = {}
     for u in units:
         counts[u.choice] = counts.get(u.choice, 0) + u.params
-    default = max(counts, key=lambda c: counts[c]) if counts else cheapest
+    default = max(counts, key=lambda c: counts[c]) if counts else cfg.candidates[0]
     lines = [f"# written by sq --target-bits {cfg.target_bits:g} --candidates {','.join(cfg.candidates)}:",
              f"# {reached:.4f} stored bits per weight over the quantized Linears; edit and rerun with --recipe",
              f"default: {default}", f"group_size: {cfg.group_size}", "rules:"]

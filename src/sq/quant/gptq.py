@@ -171,7 +171,7 @@ class GPTAQConfig(GPTQConfig):
                                       "(0 = plain GPTQ)")
     gptaq_fit: str = option("all", "what fits the full-precision outputs' drift: all (the least-squares "
                                    "correction over every input) or later (the GPTAQ paper's: each input's "
-                                   "drift by the inputs after it)", choices={f: f for f in ("all", "later")})
+                                   "drift by the inputs after it)", choices={f: f for f in GPTAQ_FITS})
 
     def __post_init__(self) -> None:
         super().__post_init__()
