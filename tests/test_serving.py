@@ -55,13 +55,14 @@ def served_dir(tmp_path_factory):
 
 
 def _quantize(root, smollm2_ckpt, algo: str, scheme: str):
-    """``scheme``: a preset, ``+full`` for ``--int-grid full``."""
+    """``scheme``: a preset, ``+full`` for ``--int-grid full``, ``+rot`` for ``--rotate r1,r2``."""
     out = root / f"{algo}-{scheme}"
     if (out / "config.json").is_file():
         return out
     scheme, _, grid = scheme.partition("+")
     args = ["sq.ptq", "--model", str(smollm2_ckpt), "--output", str(out), "--scheme", scheme, "--algo", algo,
-            "--group-size", "64", *CALIB[algo], *(["--int-grid", grid] if grid else [])]
+            "--group-size", "64", *CALIB[algo]]
+    args += ["--rotate", "r1,r2"] if grid == "rot" else ["--int-grid", grid] if grid else []
     if algo == "gptq":  # the distributed path users run: 2 ranks, each solving its share of every block
         result = run_cli(args, 2, timeout=600)
     else:
@@ -76,6 +77,7 @@ def _quantize(root, smollm2_ckpt, algo: str, scheme: str):
 CASES = [
     ("rtn", "W4A16", "bfloat16", "CompressedTensorsWNA16"),
     ("rtn", "W4A16+full", "bfloat16", "CompressedTensorsWNA16"),  # --int-grid full: signed scales
+    ("rtn", "W4A16+rot", "bfloat16", "CompressedTensorsWNA16"),  # --rotate r1,r2: rotated, lm_head untied
     ("rtn", "W4A16_ASYM", "bfloat16", "CompressedTensorsWNA16"),
     ("rtn", "W8A8", "float32", "CompressedTensorsW8A8Int8"),
     ("rtn", "FP8_DYNAMIC", "float32", "CompressedTensorsW8A8Fp8"),

@@ -1,5 +1,10 @@
 """The conformance zoo: every model_type of ``sq.testing.zoo.ZOO`` (dense, MoE, hybrid, VLM) through the CLI.
 
+``--rotate r1,r2`` (RTN W8A16, 1 rank) on every type too: either the output computes the source's function
+(``check_rotated``: logits within W8A16's error, every block's proof exact to float32 rounding) or the run is
+refused by name (``ROTATE_REFUSED``: a LayerNorm, a sandwich norm, gated attention values, experts sq does not
+rotate, a layout whose proof fails); never a wrong checkpoint.
+
 Each type's tiny seeded checkpoint is quantized with GPTQ W4A16 at 2 ranks (``--ep 2`` for MoE: experts
 split over the ranks), and at 1 rank with GPTQ W4A16 and model-free RTN W4A16 (all 1-rank runs in one
 interpreter, ``sq.testing.zoo_one_rank``).  Every output must load in transformers (as the source's own class: a VLM
@@ -26,6 +31,26 @@ from sq.testing.zoo import ZOO, build_zoo, check_output
 REFUSED = {"llama4_text": "SequentialLlama4TextExperts", "llama4": "SequentialLlama4TextExperts"}
 
 
+# refused by --rotate r1,r2, with the words of the reason (each a layout a rotation does not commute with)
+_SANDWICH = "normalizes a branch's output before the residual add"
+_NOT_EXPERTS = "reads the residual stream but is neither a Linear-like weight"
+_NO_FINAL_NORM = "the final norm that lm_head reads cannot be told"
+_R2 = "--rotate r2: block 1"
+ROTATE_REFUSED = {
+    "cohere": "it centres its input", "cohere2": "it centres its input",
+    "deepseek_v4": _NOT_EXPERTS, "gpt_oss": _NOT_EXPERTS, "granitemoe": _NOT_EXPERTS,
+    "granitemoehybrid": _NOT_EXPERTS, "granitemoeshared": _NOT_EXPERTS, "longcat_flash": _NOT_EXPERTS,
+    "nemotron_h": _NOT_EXPERTS, "qwen3_vl_moe": _NOT_EXPERTS,
+    "exaone4": _SANDWICH, "flex_olmo": _SANDWICH, "gemma2": _SANDWICH, "gemma3": _SANDWICH, "gemma3_text": _SANDWICH,
+    "gemma4_text": _SANDWICH, "glm4": _SANDWICH, "olmo2": _SANDWICH, "olmo3": _SANDWICH,
+    "falcon_h1": "--rotate r1: block 0", "minimax": "--rotate r1: block 0", "kimi_linear": "--rotate r2: block 0",
+    "qwen3_5": _R2, "qwen3_5_moe_text": _R2, "qwen3_5_text": _R2, "qwen3_next": _R2,
+    "nemotron": _NO_FINAL_NORM, "phi": _NO_FINAL_NORM, "phimoe": _NO_FINAL_NORM, "stablelm": _NO_FINAL_NORM,
+    "starcoder2": _NO_FINAL_NORM,
+    **REFUSED,
+}
+
+
 @pytest.fixture(scope="module")
 def zoo_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("zoo")
@@ -42,6 +67,17 @@ def one_rank(sources, zoo_root) -> dict[tuple[str, str], dict]:
     assert res.returncode == 0, res.stderr[-4000:]
     records = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     return {(r["type"], r["mode"]): r for r in records}
+
+
+@pytest.mark.parametrize("model_type", list(ZOO))
+def test_zoo_rotate(model_type, one_rank):
+    r = one_rank[model_type, "rotate"]
+    assert r["traceback"] is None, r["traceback"]
+    if model_type in ROTATE_REFUSED:
+        assert r["rc"] == 2 and len(r["errors"]) == 1 and ROTATE_REFUSED[model_type] in r["errors"][0], r
+        return
+    assert r["rc"] == 0, r
+    assert isinstance(r["check"], dict), r["check"]
 
 
 @pytest.mark.parametrize("mode", ["gptq", "model-free"])

@@ -15,6 +15,7 @@ from sq.quant.activations import KV_CACHE_SCHEMES, observes_activations
 from sq.quant.algorithms import AlgoConfig, algo_config, make_algorithm
 from sq.quant.gptq import GPTQConfig
 from sq.quant.recipe import ignore_label, make_assigner
+from sq.quant.rotate import ROTATIONS
 
 __all__ = ["PTQConfig", "CALIBRATION_FIELDS", "CALIB_DTYPES"]
 
@@ -57,6 +58,9 @@ class PTQConfig:
     # mixed precision under a bit budget (sq.pipeline.search): stored bits per weight, and the schemes to choose from
     target_bits: float | None = None
     candidates: tuple[str, ...] = ("W4A16", "W8A16")
+    # offline rotations fused into the weights before the algorithm (sq.pipeline.rotation): r1, r2
+    rotate: tuple[str, ...] = ()
+    rotate_block: int | None = None  # None: one rotation over the whole hidden size (head size for r2)
 
     @classmethod
     def build(cls, *, algo: str | AlgoConfig = "gptq", **kw) -> PTQConfig:
@@ -82,10 +86,16 @@ class PTQConfig:
             out.append(f"algo must be an algorithm config, got {self.algo!r}")
         else:
             out += self.algo.problems()
-        for flag in ("nsamples", "seqlen", "ep"):
+        for flag in ("nsamples", "seqlen", "ep", "rotate_block"):
             v = getattr(self, flag)
             if v is not None and v <= 0:
                 out.append(f"--{flag} must be positive, got {v}")
+        out += [f"--rotate {r}: unknown rotation (known: {', '.join(ROTATIONS)})" for r in self.rotate
+                if r not in ROTATIONS]
+        if self.rotate_block is not None and not self.rotate:
+            out.append("--rotate-block sizes the blocks of --rotate's rotations; give --rotate too")
+        if len(set(self.rotate)) != len(self.rotate):
+            out.append(f"--rotate names a rotation twice: {','.join(self.rotate)}")
         if self.calib_dtype not in CALIB_DTYPES:
             out.append(f"--calib-dtype must be one of {', '.join(CALIB_DTYPES)}, got {self.calib_dtype!r}")
         if self.kv_cache not in KV_CACHE_SCHEMES:
@@ -135,6 +145,7 @@ class PTQConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["ignore"] = list(self.ignore)
         d["candidates"] = list(self.candidates)
+        d["rotate"] = list(self.rotate)
         d["algo"] = self.algo.name
         d["algo_settings"] = self.algo.to_dict()
         return d

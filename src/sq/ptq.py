@@ -101,6 +101,15 @@ def build_parser() -> ArgParser:
     p.add_argument("--candidates", default=",".join(job["candidates"]), metavar="SCHEMES",
                    help="comma-separated presets --target-bits chooses from (default: %(default)s; int presets "
                         "take --group-size)")
+    p.add_argument("--rotate", default="", metavar="R1[,R2]",
+                   help="offline rotations fused into the weights before the algorithm (docs/rotations.md): r1 "
+                        "rotates the residual stream (norms folded in, tied embeddings untied), r2 each attention "
+                        "head's values; proven on every block (the rotated block computes the same function) and "
+                        "nothing needed at serving time (default: none)")
+    p.add_argument("--rotate-block", type=int, default=None, metavar="N",
+                   help="block-diagonal rotations over groups of N channels (a divisor of the hidden size and head "
+                        "size) instead of one over all of them: with a format whose scales cover groups of N "
+                        "(MXFP4 32, NVFP4 16), an outlier then spreads only within its own group (default: whole)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
@@ -136,6 +145,8 @@ def parse_args(argv=None, with_model_free: bool = False):
                      trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache, calib_dtype=a.calib_dtype,
                      int_grid=a.int_grid, target_bits=a.target_bits,
                      candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
+                     rotate=tuple(r.strip().lower() for r in a.rotate.split(",") if r.strip()),
+                     rotate_block=a.rotate_block,
                      fault=os.environ.get("SQ_FAULT"))
     return (cfg, a.model_free) if with_model_free else cfg
 

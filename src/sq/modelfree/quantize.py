@@ -256,7 +256,7 @@ def wanted(cfg, model_free: bool) -> bool:
     unbuildable = isinstance(model_type, str) and model_type != "" and (
         bool(model_type_problems(raw, Path(src), trust_remote_code=cfg.trust_remote_code))
         or (bool(raw.get("auto_map")) and not cfg.trust_remote_code))
-    if unbuildable and cfg.data_reason(assigner) is None and not cfg.problems():
+    if unbuildable and cfg.data_reason(assigner) is None and not cfg.rotate and not cfg.problems():
         logger.info("transformers cannot build %s (model_type %r); quantizing it model-free", src, model_type)
         return True
     return False
@@ -274,6 +274,9 @@ def _prepare(cfg):
         problems += e.problems
     if assigner is not None:
         problems += data_free_problems(cfg, assigner, "--model-free")
+    if cfg.rotate:
+        problems.append(f"--rotate {','.join(cfg.rotate)}: a rotation is proven on the model's own blocks, which "
+                        "model-free quantization never builds; drop --model-free (or --rotate)")
     raise_all(problems, "argument checks")
     src = Path(resolve_model_dist(cfg.model))
     source = scan_checkpoint(src)

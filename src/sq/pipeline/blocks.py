@@ -55,10 +55,9 @@ from sq.quant.rtn import rtn_rows
 from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import (
     SlotStats,
+    export_experts,
     export_slots,
-    full_expert_rows,
     is_ep_param,
-    local_experts,
     segment_rows,
     slot_rows,
 )
@@ -69,6 +68,7 @@ from sq.probe import Choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
+from sq.pipeline.rotation import Rotation, rotation_problems
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ class _Pipeline:
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
         self.search_report: dict | None = None  # --target-bits (sq.pipeline.search), when it ran in this process
+        # --rotate (sq.pipeline.rotation): fused into each block right after it is filled
+        self.rotation = Rotation(model, cfg.rotate, cfg.seed, self.device, cfg.rotate_block) if cfg.rotate else None
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
         # their shards, every few blocks where calibration forwards churn activations (sq.memory)
         self.trim = HeapTrim() if self.calibrated else HeapTrim(every=1)
@@ -151,6 +153,7 @@ class _Pipeline:
         cfg = self.cfg
         problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
         problems += search_problems(cfg, self.model, self.algo, self.targets, self.world, cost_dtype(self.weight_dtype))
+        problems += rotation_problems(cfg, self.weights.in_memory, self.model)
         if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
             problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
                             "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
@@ -224,6 +227,10 @@ class _Pipeline:
         self.weights.fill(names)
         phase["fill"] = time.perf_counter() - t0
         bad = self._check_finite(b)
+        if self.rotation is not None:  # before anything reads the block's weights
+            t = time.perf_counter()
+            self.rotation.block(b, prefix, block, bad)
+            phase["rotate"] = time.perf_counter() - t
         work = BlockWork(b, prefix, block, self.targets.linears[b], self.targets.experts[b], self.inputs,
                          self.fp_inputs, self.steps, self.dummy, self.device, self.rank, self.world,
                          self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts,
@@ -415,7 +422,7 @@ class _Pipeline:
                                               activation_scales=work.acts.linears.get(lin.name)).items():
                     tensors[lin.ckpt_prefix + rel] = v
         for (eprefix, ex, scheme) in work.experts:
-            tensors.update(_export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme,
+            tensors.update(export_experts(eprefix, ex, expert_q[eprefix], self.weights.expert_pieces, scheme,
                                            acts=work.acts.experts))
         if rank == 0:  # KV cache scales: per attention layer, the same on every rank
             for attn, scales in work.acts.kv.items():
@@ -459,6 +466,8 @@ class _Pipeline:
             t = full_tensor(params[n] if n in params else self.model.get_buffer(n))
             if rank == 0:
                 root.update(weights.ckpt_tensors(n, t.detach()))
+        if self.rotation is not None:  # a tied lm_head untied (collective; rank 0 writes root)
+            root.update(self.rotation.root_tensors())
         if rank == 0:
             self.run.fragments.update(writer.write_tensors(self.out, shard_name(0, None), root))
             self.run.fragments.update(weights.write_extras(self.out))
@@ -469,7 +478,8 @@ class _Pipeline:
         def final() -> dict:  # rank 0: config, side files, report and (last) the index
             report = self._report(all_mine, start)
             unquantized = sorted({*self.targets.unquantized, *self.run.skipped})
-            self.run.write_final(weights.config, config_groups(self.targets, weights), unquantized, report,
+            config = weights.config if self.rotation is None else self.rotation.config(weights.config)
+            self.run.write_final(config, config_groups(self.targets, weights), unquantized, report,
                                  all_frags, lambda: weights.write_side_files(self.out),
                                  kv_cache=kv_cache_args(self.cfg.kv_cache), before_index=lambda: _summary(report, self.out))
             return report
@@ -501,6 +511,8 @@ class _Pipeline:
             report[cfg.algo.name] = self.stats.per_block
         if self.search_report:  # --target-bits: every unit's scores and choice
             report["search"] = self.search_report
+        if self.rotation is not None:
+            report["rotation"] = self.rotation.report
         return report
 
 
@@ -530,6 +542,8 @@ def _run_blocks(p: _Pipeline) -> dict:
     if parallelize is not None:
         parallelize(p.compute_dtype)
     weights.fill(weights.root_names)
+    if p.rotation is not None:  # the probe, then R1 on the root (proven) before block 0's inputs are captured
+        p.rotation.start(p.compute_dtype)
     if p.cfg.target_bits is not None:
         apply_search(p)
     if p.calibrated and start < n_blocks:
@@ -542,43 +556,6 @@ def _run_blocks(p: _Pipeline) -> dict:
         p.run.files.close()
     p.progress.close()
     return p.finish(start)
-
-
-def _export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, acts=None) -> dict[str, torch.Tensor]:
-    """Compressed per-expert tensors under checkpoint-layout names, written by the rank holding them.
-
-    Under EP with dp > 1 an expert's rows are spread over the dp group: they are gathered there
-    and the dp rank ``e % dp`` writes the expert.  Scales that follow rows are gathered and sliced
-    like the rows; whole / block scales come one grid per slot (``[n_local, n_slots, *grid]``, the
-    same on every dp rank: ``Algorithm.solve_expert``), slot k of an expert taking grid k.
-    """
-    tensors = {}
-    mine = local_experts(ex)
-    p0 = ex._parameters["down_proj"]
-    dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
-    follow = rtn.scales_follow_rows(scheme)
-    full = {}
-    for pname in EXPERT_PARAMS:
-        p = ex._parameters[pname]
-        q, scale, zp, gs = qdata[pname]
-        if q is None:
-            continue
-        full[pname] = (full_expert_rows(q, p),
-                       *((full_expert_rows(t, p) if follow else t) if t is not None else None for t in (scale, zp)), gs)
-    seen: dict[tuple[int, str], int] = {}
-    for slot in export_slots(eprefix, ex, pieces):
-        k = seen[slot.expert, slot.param] = seen.get((slot.expert, slot.param), -1) + 1  # slot k of param[e]
-        if slot.expert not in mine or slot.expert % dp != dp_rank or slot.param not in full:
-            continue
-        q, scale, zp, gs = full[slot.param]
-        i = slot.expert - mine.start
-        sl = slice(slot.lo, slot.hi) if follow else k
-        w = (q[i, slot.lo:slot.hi], scale[i, sl], zp[i, sl] if zp is not None else None)
-        act = (acts or {}).get((eprefix, slot.expert, "mid" if slot.param == "down_proj" else "in"))
-        for rel, v in compress_weight(w, scheme, tuple(w[0].shape), activation_scales=act,
-                                      global_scale=gs[i].clone() if gs[i] is not None else None).items():
-            tensors[slot.ckpt_prefix + rel] = v
-    return tensors
 
 
 def _summary(report: dict, out: Path) -> None:

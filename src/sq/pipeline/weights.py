@@ -36,6 +36,8 @@ from sq.resume import source_identity
 class CheckpointWeights:
     """Block tensors streamed from a checkpoint through the load plan."""
 
+    in_memory = False
+
     def __init__(self, model: nn.Module, plan: LoadPlan, src: Path, device: torch.device, *,
                  verify_source: str = "stat"):
         self.model, self.plan, self.src, self.device = model, plan, Path(src), device
@@ -129,6 +131,8 @@ class ModelWeights:
     forward come back after.  Expert outputs take transformers' per-expert checkpoint names
     (``mlp.experts.{e}.gate_proj.weight_packed``...), which vLLM and transformers load.
     """
+
+    in_memory = True
 
     def __init__(self, model: nn.Module, tokenizer=None):
         self.model, self.tokenizer = model, tokenizer

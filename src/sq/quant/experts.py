@@ -28,7 +28,9 @@ from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
 from sq.parallel.collectives import all_gather_rows
+from sq.formats.compressed import compress_weight
 from sq.formats.specs import ActivationObserver
+from sq.quant import rtn
 from sq.quant.gptq import GPTQ
 
 
@@ -246,3 +248,38 @@ def full_expert_rows(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return all_gather_rows(local, dim=1, group=p.device_mesh.get_group("dp"))
 
 
+def export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, acts=None) -> dict[str, torch.Tensor]:
+    """Compressed per-expert tensors under checkpoint-layout names, written by the rank holding them.
+
+    Under EP with dp > 1 an expert's rows are spread over the dp group: they are gathered there
+    and the dp rank ``e % dp`` writes the expert.  Scales that follow rows are gathered and sliced
+    like the rows; whole / block scales come one grid per slot (``[n_local, n_slots, *grid]``, the
+    same on every dp rank: ``Algorithm.solve_expert``), slot k of an expert taking grid k.
+    """
+    tensors = {}
+    mine = local_experts(ex)
+    p0 = ex._parameters["down_proj"]
+    dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
+    follow = rtn.scales_follow_rows(scheme)
+    full = {}
+    for pname in EXPERT_PARAMS:
+        p = ex._parameters[pname]
+        q, scale, zp, gs = qdata[pname]
+        if q is None:
+            continue
+        full[pname] = (full_expert_rows(q, p),
+                       *((full_expert_rows(t, p) if follow else t) if t is not None else None for t in (scale, zp)), gs)
+    seen: dict[tuple[int, str], int] = {}
+    for slot in export_slots(eprefix, ex, pieces):
+        k = seen[slot.expert, slot.param] = seen.get((slot.expert, slot.param), -1) + 1  # slot k of param[e]
+        if slot.expert not in mine or slot.expert % dp != dp_rank or slot.param not in full:
+            continue
+        q, scale, zp, gs = full[slot.param]
+        i = slot.expert - mine.start
+        sl = slice(slot.lo, slot.hi) if follow else k
+        w = (q[i, slot.lo:slot.hi], scale[i, sl], zp[i, sl] if zp is not None else None)
+        act = (acts or {}).get((eprefix, slot.expert, "mid" if slot.param == "down_proj" else "in"))
+        for rel, v in compress_weight(w, scheme, tuple(w[0].shape), activation_scales=act,
+                                      global_scale=gs[i].clone() if gs[i] is not None else None).items():
+            tensors[slot.ckpt_prefix + rel] = v
+    return tensors

@@ -317,3 +317,28 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
         raise AssertionError(f"{out}: logits differ from the dequantized source by {diff:.3g} (max |logit| {scale:.3g})")
     n_carried = len(json.loads((out / "config.json").read_text())["quantization_config"].get("ignore", []))
     return {"quantized": len(deq), "ignored": n_carried, "logit_diff": diff}
+
+
+def check_rotated(src: Path, out: Path, *, max_rel: float = 0.05, max_proof: float = 1e-4) -> dict:
+    """Prove ``out`` (a ``--rotate`` W8A16 output of ``src``) computes the source's function: every proof the
+    run recorded (root and blocks, float32 weights) within ``max_proof``, transformers loads it with no
+    missing or unexpected keys, and its logits are the source's within ``max_rel`` (relative, Frobenius:
+    W8A16's own error on these models is ~1e-2; a misread layout's ~1)."""
+    rot = json.loads((Path(out) / "sq_report.json").read_text())["rotation"]
+    proofs = {"root": rot["root"]["error"], **{k: v["error"] for k, v in rot["blocks"].items()}}
+    worst = max(proofs, key=proofs.get)
+    if proofs[worst] > max_proof:
+        raise AssertionError(f"{out}: the rotation's proof on {worst} is {proofs[worst]:.3g} off")
+    ref_model, _ = _load(Path(src))
+    model, info = _load(Path(out))
+    problems = [f"transformers loading {out} reports {kind}: {sorted(info[kind])[:8]}"
+                for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(kind)]
+    if problems:
+        raise AssertionError("\n".join(problems))
+    vocab = model.config.get_text_config().vocab_size
+    a, b = _logits(ref_model, vocab), _logits(model, vocab)
+    rel = float((a - b).norm() / a.norm().clamp_min(1e-12))
+    if not torch.isfinite(b).all() or rel > max_rel:
+        raise AssertionError(f"{out}: logits {rel:.3g} away from the source's (relative): the rotation changed "
+                             "the model's function")
+    return {"logit_rel_err": rel}

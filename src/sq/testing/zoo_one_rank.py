@@ -1,5 +1,7 @@
-"""``python -m sq.testing.zoo_one_rank ROOT TYPE...``: every zoo type at 1 rank through GPTQ W4A16 and model-free RTN W4A16,
-each in this one process (``sq.ptq.main``, the CLI's own entry point), each output proven by ``check_output``.
+"""``python -m sq.testing.zoo_one_rank ROOT [--modes M,...] TYPE...``: every zoo type at 1 rank through GPTQ W4A16,
+model-free RTN W4A16 and RTN W8A16 under ``--rotate r1,r2``, each in this one process (``sq.ptq.main``, the CLI's
+own entry point), each output proven by ``check_output`` (the rotated one by ``check_rotated``: its logits
+are the source's up to W8A16's error, or the rotation was refused by name).
 
 One interpreter for the whole matrix: a fresh one per run would spend ~3 s of the 2 cores importing torch and
 transformers, ten times the run itself.  Prints one JSON line per run: ``{"type", "mode", "rc", "errors",
@@ -22,18 +24,21 @@ from pathlib import Path
 MODES = {
     "gptq": ["--algo", "gptq", "--nsamples", "4", "--seqlen", "32"],
     "model-free": ["--algo", "rtn", "--model-free"],
+    "rotate": ["--algo", "rtn", "--scheme", "W8A16", "--rotate", "r1,r2"],
 }
 
 
-def main(root: Path, types: list[str]) -> None:
+def main(root: Path, types: list[str], modes: list[str] | None = None) -> None:
     from sq.ptq import main as ptq
-    from sq.testing.zoo import check_output
+    from sq.testing.zoo import check_output, check_rotated
 
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(var, None)  # one rank, a private in-memory store: no port bound and released per run
     for t in types:
         src = root / t
         for mode, args in MODES.items():
+            if modes is not None and mode not in modes:
+                continue
             out = root / f"{t}-{mode}-1"
             err = io.StringIO()
             handler = logging.StreamHandler(err)  # sq's log lines: what was carried and why
@@ -53,11 +58,15 @@ def main(root: Path, types: list[str]) -> None:
                       "carried": sorted({ln for ln in text.splitlines() if "carried unquantized" in ln})}
             if rc == 0:
                 try:
-                    record["check"] = check_output(src, out)
+                    record["check"] = check_rotated(src, out) if mode == "rotate" else check_output(src, out)
                 except AssertionError as e:
                     record["check"] = f"AssertionError: {e}"
             print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    argv = sys.argv[2:]
+    picked = None
+    if argv[:1] == ["--modes"]:
+        picked, argv = argv[1].split(","), argv[2:]
+    main(Path(sys.argv[1]), argv, picked)

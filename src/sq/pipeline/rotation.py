@@ -1,0 +1,438 @@
+"""``--rotate r1[,r2]``: offline rotations fused into the weights before any algorithm sees a block.
+
+R1 rotates the residual stream by one orthogonal ``Q`` (``sq.quant.rotate``): the embedding's rows,
+every reader of the stream (its norm's scale folded in, the norm's own scale set to one), every writer
+into it, and ``lm_head`` with the final norm folded in (tied embeddings are untied: the embedding and
+``lm_head`` differ by that norm).  R2 rotates each attention head's values (``v_proj`` rows,
+``o_proj`` columns).  The rotated model computes the same function; nothing is needed at serving time.
+
+Nothing is keyed on a model's name or class.  Each block's roles are read off one traced forward of a
+short probe: a reader is a module whose input is the very tensor a norm-like module (one 1-D scale
+over the hidden size) returned, or the block's own input; a writer is a Linear (or an experts module's
+``down_proj``) whose output has the hidden size and that is not a reader.  Each norm's scale and its
+"one" are measured from the module itself (``w * x`` and Gemma's ``(1 + w) * x`` alike).  Then the
+proof, on every block, before it is quantized: the block's own contribution to the stream on the probe,
+before and after, must agree up to ``Q`` (``|f'(x Q) - f(x) Q| <= TOLERANCE |f(x)|``); the root's too
+(``lm_head(norm(h))`` against the rotated ``lm_head`` on ``h Q``).  A layout the rules misread (a
+LayerNorm, a sandwich norm, a per-channel residual scale, a module reading the stream some other way)
+fails its proof, and the run stops with the block and the error, every rank together.
+
+Distributed: a reader's rows are rotated where they are held (columns only); a writer's and ``v_proj``'s
+rows are gathered, rotated and each rank keeps its own; experts are rotated where they live (an expert's
+rows gathered within its dp group).  ``Q`` comes from ``--seed``: the same on every rank and on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+
+from sq.anatomy import decoder_blocks, is_experts_module
+from sq.errors import SqError
+from sq.load.fill import local_box
+from sq.parallel.collectives import full_tensor
+from sq.quant.experts import full_expert_rows
+from sq.parallel.fsdp import unsharded
+from sq.quant.forward import block_kwargs, capture_block0
+from sq.quant.rotate import (orthogonal, rotate_head_columns, rotate_head_rows, rotate_input, rotate_output)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["rotation_problems", "Rotation", "TOLERANCE"]
+
+PROBE_TOKENS = 16
+# a block's contribution after rotation against before, relative: rounding the rotated weights to bf16
+# moves it by ~1e-2 at most on the models tried; a misread layout by ~1 (docs/rotations.md)
+TOLERANCE = 0.05
+
+
+def rotation_problems(cfg, in_memory: bool, model: nn.Module) -> list[str]:
+    """Refusals of ``--rotate`` before anything is mutated (identical on every rank)."""
+    if not cfg.rotate:
+        return []
+    out = []
+    hidden = model.get_input_embeddings().weight.shape[1]
+    if cfg.rotate_block is not None and "r1" in cfg.rotate and hidden % cfg.rotate_block:
+        out.append(f"--rotate-block {cfg.rotate_block} does not divide the hidden size {hidden}")
+    if cfg.rotate_block is not None and "r2" in cfg.rotate:
+        bad = sorted({d for d in _head_dims(model) if d % cfg.rotate_block})
+        if bad:
+            out.append(f"--rotate-block {cfg.rotate_block} does not divide the attention head size "
+                       f"{', '.join(map(str, bad))} (r2)")
+    if in_memory:
+        out.append("--rotate rewrites every weight of the model, embeddings and lm_head included: quantize "
+                   "from a checkpoint (sq.ptq / sq.quantize_checkpoint), not a model in memory")
+    if cfg.target_bits is not None:
+        out.append("--rotate with --target-bits: the search scores the unrotated blocks; run one or the other")
+    return out
+
+
+def _head_dims(model: nn.Module) -> list[int]:
+    return [m.head_dim for m in model.modules() if isinstance(getattr(m, "v_proj", None), nn.Linear)
+            and isinstance(getattr(m, "o_proj", None), nn.Linear) and isinstance(getattr(m, "head_dim", None), int)]
+
+
+def _ptr(t) -> int | None:
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+def _first_tensor(args, kwargs):
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return kwargs.get("hidden_states")
+
+
+def _out_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _norm_like(mod: nn.Module, hidden: int) -> bool:
+    p = dict(mod.named_parameters(recurse=False))
+    return set(p) == {"weight"} and p["weight"].dim() == 1 and p["weight"].shape[0] == hidden
+
+
+class _Swap:
+    """A module's sharded parameters swapped for whole plain copies while a direct call runs."""
+
+    def __init__(self, mod: nn.Module):
+        self.mod, self.saved = mod, []
+
+    def __enter__(self):
+        for k, p in list(self.mod._parameters.items()):
+            if isinstance(p, DTensor):
+                self.saved.append((k, p))
+                self.mod._parameters[k] = nn.Parameter(p.full_tensor(), requires_grad=False)
+        return self.mod
+
+    def __exit__(self, *exc):
+        for k, p in self.saved:
+            self.mod._parameters[k] = p
+
+
+def _norm_affine(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)``: the norm's output on a constant input is ``a * w + b`` per channel (``w`` its scale):
+    ``(1, 0)`` for ``w * x``, ``(1, 1)`` for Gemma's ``(1 + w) * x``.  Measured with the weight set to 0
+    and 1 on an input whose root mean square is 1 (float32; the module's weight put back after)."""
+    p = norm._parameters["weight"]
+    x = torch.full((1, hidden), 1e3, dtype=torch.float32, device=p.device)  # normalized: 1 (eps / 1e6 off)
+    outs = []
+    try:
+        for v in (0.0, 1.0):
+            norm._parameters["weight"] = nn.Parameter(torch.full((hidden,), v, dtype=torch.float32, device=p.device),
+                                                      requires_grad=False)
+            outs.append(norm(x).float().reshape(-1))
+    finally:
+        norm._parameters["weight"] = p
+    return outs[1] - outs[0], outs[0]
+
+
+def _set_local(p: torch.Tensor, whole: torch.Tensor) -> None:
+    """This rank's part of ``p`` from ``whole`` (the new value of all of ``p``)."""
+    local, off = local_box(p)
+    local.copy_(whole[tuple(slice(o, o + s) for o, s in zip(off, local.shape))].to(local.dtype))
+
+
+def _map_local(p: torch.Tensor, fn) -> None:
+    """``p``'s local part through ``fn`` (a column operation: rows stay where they are)."""
+    local, _ = local_box(p)
+    if local.numel():
+        local.copy_(fn(local))
+
+
+def _map_whole(p: torch.Tensor, fn) -> None:
+    """``p`` whole (gathered: a collective) through ``fn``; each rank keeps its part."""
+    _set_local(p, fn(full_tensor(p)))
+
+
+class Rotation:
+    """One job's rotations: ``start`` (probe, root), then ``block`` per block, ``root_tensors`` at the end."""
+
+    def __init__(self, model: nn.Module, kinds, seed: int, device: torch.device, block: int | None = None):
+        self.model, self.kinds, self.seed, self.device, self.size = model, tuple(kinds), seed, device, block
+        emb = model.get_input_embeddings()
+        self.hidden = int(emb.weight.shape[1])
+        self.r1 = "r1" in self.kinds
+        self.q, kind = None, None
+        if self.r1 and (block is None or self.hidden % block == 0):  # else refused by rotation_problems
+            q, kind = orthogonal(self.hidden, seed, block)
+            self.q = q.float().to(device)
+        self.report: dict = {"rotations": list(self.kinds), "hidden_size": self.hidden, "block": block,
+                             "r1": kind if self.r1 else None, "r2": {}, "blocks": {}, "tolerance": TOLERANCE}
+        self.heads: dict[int, torch.Tensor] = {}
+        self.probe = None
+        self.tied = False
+        self.lm_head_name = None
+        self.g_final = None
+
+    # ---- the root
+    def start(self, dtype: torch.dtype | None) -> None:
+        """The probe's block kwargs (from the unrotated embeddings), then R1 on the root, proven."""
+        g = torch.Generator().manual_seed(self.seed + 1)
+        ids = torch.randint(0, self.model.get_input_embeddings().weight.shape[0], (1, PROBE_TOKENS), generator=g)
+        h0, kw = capture_block0(self.model, ids, self.device, dtype=dtype)[0]
+        self.probe = (h0.detach(), kw)
+        if self.r1:
+            self._root()
+
+    def _final_norm(self) -> tuple[str, nn.Module]:
+        """The one norm-like module of the decoder's root (beside the layers), which ``lm_head`` reads."""
+        layers = decoder_blocks(self.model)[0][0].rsplit(".", 1)[0]
+        inner_name = layers.rsplit(".", 1)[0] if "." in layers else ""
+        inner = self.model.get_submodule(inner_name)
+        found = [(f"{inner_name}.{n}" if inner_name else n, m) for n, m in inner.named_children()
+                 if _norm_like(m, self.hidden)]
+        if len(found) != 1:
+            raise SqError(f"--rotate r1: {type(self.model).__name__} has {len(found)} norm-like modules beside its "
+                          f"decoder layers ({', '.join(n for n, _ in found) or 'none'}); the final norm that "
+                          "lm_head reads cannot be told, so the rotation cannot be proven")
+        return found[0]
+
+    def _root(self) -> None:
+        model, q = self.model, self.q
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head is None or getattr(head, "weight", None) is None or head.weight.shape[-1] != self.hidden:
+            raise SqError("--rotate r1: the model has no lm_head reading the hidden size")
+        norm_name, norm = self._final_norm()
+        self.lm_head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
+        self.tied = head.weight is emb.weight
+        a, b = _norm_affine_whole(norm, self.hidden)
+        g = a * full_tensor(norm.weight).float().to(a.device) + b
+        # the probe: logits before, on hidden states h with the norm as it is
+        h = torch.randn(PROBE_TOKENS, self.hidden, generator=torch.Generator().manual_seed(self.seed + 2)).to(self.device)
+        ref = (_rms(h) * g.to(h.device)) @ local_box(head.weight)[0].float().T
+        _map_local(emb.weight, lambda w: rotate_input(w, q))
+        if not self.tied:
+            _map_local(head.weight, lambda w: rotate_input(w, q, g))
+        self._set_one(norm, a, b)
+        self.g_final = g
+        g1 = a * full_tensor(norm.weight).float().to(a.device) + b
+        w_new = local_box(head.weight)[0]
+        w_new = (_untied(w_new, q, g) if self.tied else w_new).float()
+        got = (_rms(h @ q) * g1.to(h.device)) @ w_new.T
+        err = _rel(got - ref, ref)
+        self._check(err, f"the root ({norm_name} -> {self.lm_head_name})")
+        self.report["root"] = {"final_norm": norm_name, "lm_head": self.lm_head_name, "untied": self.tied,
+                               "error": err}
+
+    def _set_one(self, norm: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The norm's scale set to its "one": ``a * w + b = 1``."""
+        if torch.any(a.abs() < 1e-6):
+            raise SqError(f"--rotate r1: {type(norm).__name__} maps a constant input to zero (it centres its input: "
+                          "a LayerNorm, which a rotation does not commute with)")
+        one = (1 - b) / a
+        _set_local(norm.weight, one.to(norm.weight.device))
+
+    def root_tensors(self) -> dict[str, torch.Tensor]:
+        """Whole tensors rank 0 writes beside the root's own: a tied ``lm_head`` untied, as the rotated
+        embedding with the final norm folded back in (``E Q (Q^T diag(g) Q)``).  A collective."""
+        if not (self.r1 and self.tied):
+            return {}
+        emb = full_tensor(self.model.get_input_embeddings().weight)
+        return {self.lm_head_name: _untied(emb, self.q, self.g_final)}
+
+    def config(self, config: dict) -> dict:
+        """The written config: untied where a tied lm_head was written as a tensor of its own."""
+        if self.r1 and self.tied:
+            config = dict(config)
+            config["tie_word_embeddings"] = False
+            for k, v in list(config.items()):  # a VLM's text config carries the flag too
+                if isinstance(v, dict) and "tie_word_embeddings" in v:
+                    config[k] = {**v, "tie_word_embeddings": False}
+        return config
+
+    # ---- one block
+    def block(self, b: int, prefix: str, block: nn.Module, nonfinite=()) -> None:
+        """Roles traced, weights rotated, the block's proof; every rank together (collectives).
+        ``nonfinite``: the block's Linears holding NaN/Inf (the same list on every rank): refused."""
+        if nonfinite:
+            raise SqError(f"--rotate: {', '.join(nonfinite)} hold NaN/Inf values, which a rotation would spread "
+                          "over every weight it touches; fix the checkpoint or run without --rotate")
+        h0, kw = self.probe
+        gen = torch.Generator().manual_seed(self.seed + 1000 + b)
+        x = (torch.randn(h0.shape, generator=gen) * h0.float().std()).to(device=h0.device, dtype=h0.dtype)
+        kwb = block_kwargs(kw, block)
+        records, ref = self._trace(block, x, kwb)
+        readers, writers, norms = self._roles(prefix, block, records, x) if self.r1 else ({}, {}, {})
+        want = ref.float() - x.float()
+        errors = {}
+        if self.r1:
+            self._rotate_r1(prefix, readers, writers, norms)
+            want = want @ self.q
+            x = (x.float() @ self.q).to(x.dtype)
+            errors["r1"] = self._prove(block, x, kwb, want, f"block {b} ({prefix})", "r1")
+        heads = 0
+        if "r2" in self.kinds:
+            heads = self._rotate_r2(prefix, block)
+            if heads:
+                errors["r2"] = self._prove(block, x, kwb, want, f"block {b} ({prefix})", "r2")
+        err = max(errors.values(), default=0.0)
+        self.report["blocks"][prefix] = {"readers": len(readers), "writers": len(writers), "norms": len(norms),
+                                         "heads": heads, "error": round(err, 6)}
+        logger.debug("block %d rotated: readers %s, writers %s, norms %s, %d heads; error %.2e", b,
+                     {k: v[1] for k, v in readers.items()}, list(writers), list(norms), heads, err)
+
+    def _prove(self, block, x, kw, want, what: str, kind: str) -> float:
+        """The block's contribution on the rotated probe against the rotated contribution before: the
+        relative error, the same on every rank (a refusal naming ``kind`` above the tolerance)."""
+        got = _out(self._forward(block, x, kw)).float() - x.float()
+        return self._check(_rel(got - want, want), what, kind)
+
+    def _forward(self, block, x, kw):
+        with torch.no_grad(), unsharded(block):
+            return block(x, **kw)
+
+    def _trace(self, block: nn.Module, x, kw):
+        """One forward with every parameter-holding module recorded: (module, input, output) tensors."""
+        records: list[tuple[str, nn.Module, torch.Tensor | None, torch.Tensor | None]] = []
+        hooks = []
+        for name, mod in block.named_modules():
+            if mod is block or not (any(True for _ in mod.parameters(recurse=False)) or is_experts_module(mod)):
+                continue
+
+            def hook(m, args, kwargs, out, name=name):
+                records.append((name, m, _first_tensor(args, kwargs), _out_tensor(out)))
+
+            hooks.append(mod.register_forward_hook(hook, with_kwargs=True))
+        try:
+            out = _out(self._forward(block, x, kw))
+        finally:
+            for h in hooks:
+                h.remove()
+        return records, out
+
+    def _roles(self, prefix, block, records, x):
+        """Readers ``{name: (module, norm name or None)}``, writers ``{name: module}``, norms ``{name: module}``
+        from the traced tensors (identity of storage: a view of the norm's output is its output)."""
+        H = self.hidden
+        norm_out = {}
+        for name, m, _, out in records:
+            if _norm_like(m, H) and out is not None and out.shape[-1] == H:
+                norm_out.setdefault(_ptr(out), name)
+        x_ptr = _ptr(x)
+        readers, writers, norms = {}, {}, {}
+        for name, m, inp, out in records:
+            src = _ptr(inp)
+            if src in norm_out and norm_out[src] != name:
+                norm = norm_out[src]
+            elif src == x_ptr and not _norm_like(m, H):
+                norm = None
+            else:
+                norm = False
+            if norm is not False:
+                if not (is_experts_module(m) or _reads_hidden(m, H)):
+                    if any(any(True for _ in c.parameters()) for c in m.children()):
+                        continue  # a container (attention with sinks, a router with its bias): children traced
+                    raise SqError(f"--rotate r1: {prefix}.{name} ({type(m).__name__}) reads the residual stream "
+                                  "but is neither a Linear-like weight [*, hidden] nor fused experts; its rotation "
+                                  "cannot be proven")
+                readers[name] = (m, norm)
+                if norm is not None:
+                    norms[norm] = block.get_submodule(norm)
+            elif isinstance(m, nn.Linear) and m.out_features == H:
+                writers[name] = m
+        written = {_ptr(out) for name, m, _, out in records if name in writers or is_experts_module(m)}
+        for name, m, inp, _ in records:  # a norm of what a writer wrote, before the residual add (a sandwich norm)
+            if _norm_like(m, H) and _ptr(inp) in written:
+                raise SqError(f"--rotate r1: {prefix}.{name} ({type(m).__name__}) normalizes a branch's output before "
+                              "the residual add (a sandwich norm): a rotation does not commute with its per-channel "
+                              "scale")
+        for name, m, _, _ in records:  # an experts module writes through its down_proj whatever it reads
+            if is_experts_module(m) and name not in readers:
+                raise SqError(f"--rotate r1: {prefix}.{name}'s input is not a norm's output; cannot be proven")
+        return readers, writers, norms
+
+    def _rotate_r1(self, prefix, readers, writers, norms) -> None:
+        q = self.q
+        affine = {n: _norm_affine_whole(m, self.hidden) for n, m in norms.items()}
+        scales = {n: a * full_tensor(m.weight).float().to(a.device) + b for (n, m), (a, b) in
+                  zip(norms.items(), affine.values())}
+        for name, (m, norm) in readers.items():
+            g = scales[norm] if norm is not None else None
+            if is_experts_module(m):
+                _map_local(m._parameters["gate_up_proj"], lambda w: rotate_input(w, q, g))
+                down = m._parameters["down_proj"]
+                local, off = local_box(down)
+                whole_rows = full_expert_rows(local, down)  # [n_local, H, I]: rows gathered in the dp group
+                new = rotate_output(whole_rows, q)
+                local.copy_(new[:, off[1]:off[1] + local.shape[1]])
+            else:
+                _map_local(m.weight, lambda w: rotate_input(w, q, g))
+        for name, m in writers.items():
+            _map_whole(m.weight, lambda w: rotate_output(w, q))
+            if m.bias is not None:
+                _map_whole(m.bias, lambda v: rotate_output(v, q))
+        for n, m in norms.items():
+            self._set_one(m, *affine[n])
+
+    def _rotate_r2(self, prefix: str, block: nn.Module) -> int:
+        """Per-head rotations of each attention module with ``v_proj`` and ``o_proj`` Linears; the heads rotated."""
+        n = 0
+        for name, mod in block.named_modules():
+            v, o = getattr(mod, "v_proj", None), getattr(mod, "o_proj", None)
+            if not (isinstance(v, nn.Linear) and isinstance(o, nn.Linear)):
+                continue
+            d = getattr(mod, "head_dim", None)
+            if not isinstance(d, int) or v.out_features % d or o.in_features % d:
+                raise SqError(f"--rotate r2: {prefix}.{name} has no head_dim dividing v_proj's "
+                              f"{v.out_features} rows and o_proj's {o.in_features} columns")
+            if d not in self.heads:
+                hq, kind = orthogonal(d, self.seed + 7, self.size)
+                self.heads[d] = hq.float().to(self.device)
+                self.report["r2"][str(d)] = kind
+            h = self.heads[d]
+            _map_whole(v.weight, lambda w: rotate_head_rows(w, h))
+            if v.bias is not None:
+                _map_whole(v.bias, lambda t: rotate_head_rows(t[:, None], h)[:, 0])
+            _map_local(o.weight, lambda w: rotate_head_columns(w, h))
+            n += v.out_features // d
+        return n
+
+    def _check(self, err: float, what: str, kind: str = "r1") -> float:
+        t = torch.tensor([err], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same verdict on every rank
+        err = float(t)
+        if not err <= TOLERANCE:
+            why = ("an elementwise gate or norm on the attention heads' values" if kind == "r2" else
+                   "a norm that is not a root-mean-square one, a per-channel residual scale, or a module reading "
+                   "the stream another way")
+            raise SqError(f"--rotate {kind}: {what} does not compute the same function after the rotation "
+                          f"(relative error {err:.3g} on a probe, tolerance {TOLERANCE}): its layout is not one sq "
+                          f"can rotate ({why}); run without --rotate {kind}")
+        logger.debug("--rotate %s proven on %s: relative error %.2e", kind, what, err)
+        return err
+
+
+def _norm_affine_whole(norm: nn.Module, hidden: int):
+    with _Swap(norm):
+        return _norm_affine(norm, hidden)
+
+
+def _reads_hidden(m: nn.Module, hidden: int) -> bool:
+    w = m._parameters.get("weight")
+    return w is not None and w.dim() == 2 and w.shape[1] == hidden
+
+
+def _rms(h: torch.Tensor) -> torch.Tensor:
+    return h / h.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
+    den = float(ref.float().norm())
+    return float(diff.float().norm()) / den if den > 0 else float(diff.float().norm())
+
+
+def _out(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+def _untied(emb_rot: torch.Tensor, q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    m = q.T @ (g.to(q.device)[:, None] * q)
+    return (emb_rot.float() @ m).to(emb_rot.dtype)

@@ -1,0 +1,162 @@
+"""``--rotate r1,r2`` (``sq.pipeline.rotation``, ``sq.quant.rotate``): offline rotations fused into the weights.
+
+- the Hadamard constructions are orthogonal at the sizes models use; block-diagonal ones too;
+- a rotated output computes the source's function: loaded by transformers, its logits are the source's up to
+  W8A16's own error, with the tied ``lm_head`` untied and every norm's scale folded away; each block's proof
+  (recorded in the report) exact to float32 rounding on float32 weights;
+- 1 vs 2 ranks (and ``--ep 2`` on an MoE) bit-identical; killed after block 0 and rerun, bit-identical;
+- GPTQ on a rotated model runs at 2 ranks and loads;
+- refusals: an unknown rotation, a block size that divides nothing, an in-memory model, ``--model-free``,
+  ``--target-bits``; a model whose layout cannot be rotated is refused by name on every rank, nothing written
+  (the whole zoo: ``tests/test_zoo.py::test_zoo_rotate``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import run_cli, run_ranks
+from quant_ref import quantize_jobs, read_tensors
+from sq.quant.rotate import hadamard, orthogonal, rotate_head_columns, rotate_head_rows, rotate_input, rotate_output
+from sq.testing.zoo import check_rotated
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 12, 20, 28, 60, 64, 80, 96, 112, 128, 180, 576, 896, 1536, 2560])
+def test_hadamard_is_orthogonal(n):
+    h = hadamard(n)
+    assert h is not None and set(h.unique().tolist()) <= {-1.0, 1.0}
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+
+
+def test_no_hadamard_of_an_impossible_order_and_a_random_orthogonal_instead():
+    assert hadamard(6) is None and hadamard(10) is None
+    q, kind = orthogonal(10, 0)
+    assert kind == "random" and torch.allclose(q @ q.T, torch.eye(10, dtype=torch.float64), atol=1e-12)
+
+
+def test_orthogonal_is_seeded_and_block_diagonal_keeps_groups_apart():
+    a, _ = orthogonal(64, 3)
+    assert torch.equal(a, orthogonal(64, 3)[0]) and not torch.equal(a, orthogonal(64, 4)[0])
+    q, kind = orthogonal(64, 0, block=16)
+    assert kind == "hadamard" and torch.allclose(q @ q.T, torch.eye(64, dtype=torch.float64), atol=1e-12)
+    mask = torch.block_diag(*[torch.ones(16, 16)] * 4).bool()
+    assert torch.all(q[~mask] == 0) and torch.all(q[mask] != 0)
+    with pytest.raises(ValueError):
+        orthogonal(64, 0, block=24)
+
+
+def test_weight_maths_keeps_the_function():
+    """Reader ``W diag(g) Q`` on ``x Q / rms``, writer ``Q^T W``, heads: the products they replace."""
+    torch.manual_seed(0)
+    q = orthogonal(12, 0)[0].float()
+    x, w, g = torch.randn(5, 12), torch.randn(7, 12), torch.rand(12) + 0.5
+    assert torch.allclose((x @ q) @ rotate_input(w, q, g).T, (x * g) @ w.T, atol=1e-5)
+    w_out, b = torch.randn(12, 7), torch.randn(12)
+    z = torch.randn(5, 7)
+    assert torch.allclose(z @ rotate_output(w_out, q).T + rotate_output(b, q), (z @ w_out.T + b) @ q, atol=1e-5)
+    h = orthogonal(4, 1)[0].float()
+    wv, wo = torch.randn(8, 12), torch.randn(12, 8)  # 2 heads of 4
+    v = x @ wv.T
+    assert torch.allclose((x @ rotate_head_rows(wv, h).T) @ rotate_head_columns(wo, h).T, v @ wo.T, atol=1e-5)
+
+
+def _job(model, out, **kw) -> dict:
+    return dict(model=str(model), output=str(out), algo="rtn", scheme="W8A16", group_size=16, rotate=("r1", "r2"),
+                timeout_s=120) | kw
+
+
+@pytest.fixture(scope="module")
+def rotated(checkpoints, tmp_path_factory):
+    """RTN W8A16 under --rotate r1,r2: llama (tied embeddings) and qwen3_moe at 2 ranks (ep 2) and 1 rank."""
+    root = tmp_path_factory.mktemp("rotate")
+    for world in (2, 1):
+        jobs = [_job(checkpoints["llama"], root / f"llama-w{world}"),
+                _job(checkpoints["qwen3_moe"], root / f"moe-w{world}", ep=world)]
+        assert run_ranks(quantize_jobs, world, jobs, timeout=300)[0] == [None, None]
+    return root
+
+
+@pytest.mark.parametrize("kind,src", [("llama", "llama"), ("moe", "qwen3_moe")])
+def test_rotated_output_computes_the_source_function(rotated, checkpoints, kind, src):
+    out = rotated / f"{kind}-w2"
+    check_rotated(checkpoints[src], out)  # loads, no missing/unexpected keys, logits within W8A16's error
+    report = json.loads((out / "sq_report.json").read_text())["rotation"]
+    assert report["r1"] == "hadamard" and report["root"]["error"] < 1e-4
+    assert report["blocks"] and all(b["error"] < 1e-4 for b in report["blocks"].values()), report["blocks"]
+    assert all(b["heads"] > 0 and b["norms"] == 2 for b in report["blocks"].values())
+    tensors = read_tensors(out)
+    norms = [k for k in tensors if k.endswith("norm.weight") and "layernorm" in k or k == "model.norm.weight"]
+    assert norms and all(torch.equal(tensors[k], torch.ones_like(tensors[k])) for k in norms)  # folded away
+    if kind == "llama":  # tied in the source: the rotated lm_head is a tensor of its own
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] is False and "lm_head.weight" in tensors
+        assert not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_one_and_two_ranks_bit_identical(rotated, kind):
+    a, b = read_tensors(rotated / f"{kind}-w1"), read_tensors(rotated / f"{kind}-w2")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+
+
+def _argv(model, out, *extra) -> list[str]:
+    return ["sq.ptq", "--model", str(model), "--output", str(out), "--algo", "rtn", "--scheme", "W8A16",
+            "--group-size", "16", "--rotate", "r1,r2", "--timeout", "120", *extra]
+
+
+def test_killed_and_resumed_bit_identical(rotated, checkpoints, tmp_path):
+    out = tmp_path / "o"
+    argv = _argv(checkpoints["llama"], out)
+    # rank 1 killed once block 1's shard is written: block 0 done everywhere, so the rerun restarts at 1,
+    # rotating the root again and blocks 1.. only
+    killed = run_cli(argv, 2, timeout=300, env={"SQ_FAULT": "after-shard-write:1:1"})
+    assert killed.returncode != 0 and not (out / "model.safetensors.index.json").exists()
+    again = run_cli(argv, 2, timeout=300)
+    assert again.returncode == 0, again.output[-3000:]
+    assert json.loads((out / "sq_report.json").read_text())["resumed_from_block"] == 1
+    a, b = read_tensors(out), read_tensors(rotated / "llama-w2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gptq_on_a_rotated_model(checkpoints, tmp_path):
+    out = tmp_path / "o"
+    res = run_cli(_argv(checkpoints["llama"], out, "--algo", "gptq", "--nsamples", "4", "--seqlen", "16",
+                        "--scheme", "W4A16", "--rotate-block", "8"), 2, timeout=300)
+    assert res.returncode == 0, res.output[-3000:]
+    report = json.loads((out / "sq_report.json").read_text())
+    assert report["rotation"]["block"] == 8 and report["args"]["rotate"] == ["r1", "r2"]
+    check_rotated(checkpoints["llama"], out, max_rel=0.5)  # W4's error, not a rotation's: loads and runs
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--rotate", "r3"], "--rotate r3: unknown rotation"),
+    (["--rotate-block", "24"], "--rotate-block 24 does not divide the hidden size 64"),
+    (["--target-bits", "5", "--candidates", "W4A16,W8A16"], "--rotate with --target-bits"),
+    (["--model-free"], "model-free quantization never builds"),
+])
+def test_refused_on_every_rank_before_anything_is_written(checkpoints, tmp_path, extra, words):
+    res = run_cli(_argv(checkpoints["llama"], tmp_path / "o", *extra), 2, timeout=120, stop_on_failure=False)
+    assert res.codes == [2, 2] and words in res.stderr and "Traceback" not in res.output, res.output[-3000:]
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+def test_in_memory_model_refused(checkpoints, tmp_path):
+    res = run_ranks(_in_memory, 1, str(checkpoints["llama"]), str(tmp_path / "o"), timeout=120)[0]
+    assert "--rotate rewrites every weight of the model" in res, res
+
+
+def _in_memory(rank, world, src, out):
+    import sq
+    from sq.errors import SqError
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    try:
+        sq.quantize(model, out, scheme="W8A16", algo="rtn", group_size=16, rotate=("r1",))
+    except SqError as e:
+        return str(e)
+    return "not refused"
