@@ -58,7 +58,11 @@ GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaqfull_w2", "gptqfull_w2
          "eval_gptaq3_w2", "eval_gptq2_w2", "eval_gptaq2_w2")
 # --target-bits (issue 37): {W4A16 g64, W8A16 g64} at 4.5 and 5.0 stored bits per weight, GPTQ
 SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2", "tbfp_w2", "eval_tbfp_w2")
-EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH)
+# --rotate r1,r2 (issue 36): beside RTN / GPTQ / GPTAQ at 4, 3 and 2 bits, and the W4A4 float formats
+ROTATE = ("rtnrot_w2", "gptqrot_w2", "gptaqrot_w2", "gptq3rot_w2", "gptq2rot_w2", "gptaq2rot_w2",
+          "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2")
+ROTATE += tuple(f"eval_{r}" for r in ROTATE)
+EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH, *ROTATE)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptqoff": ("gptq", ["--actorder", "off"]),
     "sr4": ("signround", ["--iters", "50"]),
@@ -77,6 +81,18 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "tb50": ("gptq", ["--target-bits", "5.0", "--candidates", "W4A16,W8A16"]),
     "w8": ("gptq", ["--scheme", "W8A16"]),
     "tbfp": ("gptq", ["--target-bits", "5.5", "--candidates", "NVFP4A16,FP8_DYNAMIC"]),
+    "rtnrot": ("rtn", ["--rotate", "r1,r2"]),
+    "gptqrot": ("gptq", ["--rotate", "r1,r2"]),
+    "gptaqrot": ("gptaq", ["--rotate", "r1,r2"]),
+    "gptq3rot": ("gptq", ["--rotate", "r1,r2", "--scheme", "W3A16"]),
+    "gptq2rot": ("gptq", ["--rotate", "r1,r2", "--scheme", "W2A16"]),
+    "gptaq2rot": ("gptaq", ["--rotate", "r1,r2", "--scheme", "W2A16"]),
+    "mxgptq": ("gptq", ["--scheme", "MXFP4"]),
+    "mxgptqrot": ("gptq", ["--scheme", "MXFP4", "--rotate", "r1,r2"]),
+    "mxgptqrotb32": ("gptq", ["--scheme", "MXFP4", "--rotate", "r1,r2", "--rotate-block", "32"]),
+    "mxgptaqrotb32": ("gptaq", ["--scheme", "MXFP4", "--rotate", "r1,r2", "--rotate-block", "32"]),
+    "nvgptqrot": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2"]),
+    "nvgptqrotb16": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2", "--rotate-block", "16"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
@@ -209,7 +225,9 @@ def table(recs: dict[str, dict]) -> str:
                        ("gptq2_w2", "sq GPTQ W2"), ("gptaq2_w2", "sq GPTAQ W2"),
                        ("w8_w2", "sq GPTQ W8A16 g64"), ("tb45_w2", "sq GPTQ --target-bits 4.5 (W4A16, W8A16)"),
                        ("tb50_w2", "sq GPTQ --target-bits 5.0 (W4A16, W8A16)"),
-                       ("tbfp_w2", "sq GPTQ --target-bits 5.5 (NVFP4A16, FP8_DYNAMIC)")):
+                       ("tbfp_w2", "sq GPTQ --target-bits 5.5 (NVFP4A16, FP8_DYNAMIC)"),
+                       *((r, f"sq {VARIANTS[r.split('_w')[0]][0].upper()} {' '.join(VARIANTS[r.split('_w')[0]][1])}")
+                         for r in ROTATE if not r.startswith("eval_"))):
         q = recs.get(run)
         if not q:
             continue

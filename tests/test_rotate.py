@@ -132,6 +132,20 @@ def test_gptq_on_a_rotated_model(checkpoints, tmp_path):
     check_rotated(checkpoints["llama"], out, max_rel=0.5)  # W4's error, not a rotation's: loads and runs
 
 
+def test_every_algorithm_on_a_rotated_model(checkpoints, tmp_path):
+    """Each registered algorithm sees the rotated blocks: the output loads and computes the source's function
+    up to W4's error (a rotation undone or applied twice would be ~1)."""
+    from sq.quant.algorithms import algorithm_names
+
+    algos = [a for a in algorithm_names() if a != "rtn"]
+    fast = {"signround": dict(iters=4, batch_size=4)}
+    jobs = [_job(checkpoints["llama"], tmp_path / a, algo=a, scheme="W4A16", nsamples=4, seqlen=16, **fast.get(a, {}))
+            for a in algos]
+    assert run_ranks(quantize_jobs, 2, jobs, timeout=600)[0] == [None] * len(jobs)
+    for a in algos:
+        assert check_rotated(checkpoints["llama"], tmp_path / a, max_rel=0.5)["logit_rel_err"] < 0.5, a
+
+
 @pytest.mark.parametrize("extra,words", [
     (["--rotate", "r3"], "--rotate r3: unknown rotation"),
     (["--rotate-block", "24"], "--rotate-block 24 does not divide the hidden size 64"),

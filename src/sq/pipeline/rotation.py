@@ -28,7 +28,6 @@ import logging
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 from sq.anatomy import decoder_blocks, is_experts_module
@@ -99,28 +98,11 @@ def _norm_like(mod: nn.Module, hidden: int) -> bool:
     return set(p) == {"weight"} and p["weight"].dim() == 1 and p["weight"].shape[0] == hidden
 
 
-class _Swap:
-    """A module's sharded parameters swapped for whole plain copies while a direct call runs."""
-
-    def __init__(self, mod: nn.Module):
-        self.mod, self.saved = mod, []
-
-    def __enter__(self):
-        for k, p in list(self.mod._parameters.items()):
-            if isinstance(p, DTensor):
-                self.saved.append((k, p))
-                self.mod._parameters[k] = nn.Parameter(p.full_tensor(), requires_grad=False)
-        return self.mod
-
-    def __exit__(self, *exc):
-        for k, p in self.saved:
-            self.mod._parameters[k] = p
-
-
 def _norm_affine(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a, b)``: the norm's output on a constant input is ``a * w + b`` per channel (``w`` its scale):
-    ``(1, 0)`` for ``w * x``, ``(1, 1)`` for Gemma's ``(1 + w) * x``.  Measured with the weight set to 0
-    and 1 on an input whose root mean square is 1 (float32; the module's weight put back after)."""
+    ``(1, 0)`` for ``w * x``, ``(1, 1)`` for Gemma's ``(1 + w) * x``.  Measured with the weight swapped for
+    plain float32 zeros, then ones, on a constant input (which normalizes to 1), the module's own weight (a
+    sharded one too) put back after."""
     p = norm._parameters["weight"]
     x = torch.full((1, hidden), 1e3, dtype=torch.float32, device=p.device)  # normalized: 1 (eps / 1e6 off)
     outs = []
@@ -203,7 +185,7 @@ class Rotation:
         norm_name, norm = self._final_norm()
         self.lm_head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
         self.tied = head.weight is emb.weight
-        a, b = _norm_affine_whole(norm, self.hidden)
+        a, b = _norm_affine(norm, self.hidden)
         g = a * full_tensor(norm.weight).float().to(a.device) + b
         # the probe: logits before, on hidden states h with the norm as it is
         h = torch.randn(PROBE_TOKENS, self.hidden, generator=torch.Generator().manual_seed(self.seed + 2)).to(self.device)
@@ -351,7 +333,7 @@ class Rotation:
 
     def _rotate_r1(self, prefix, readers, writers, norms) -> None:
         q = self.q
-        affine = {n: _norm_affine_whole(m, self.hidden) for n, m in norms.items()}
+        affine = {n: _norm_affine(m, self.hidden) for n, m in norms.items()}
         scales = {n: a * full_tensor(m.weight).float().to(a.device) + b for (n, m), (a, b) in
                   zip(norms.items(), affine.values())}
         for name, (m, norm) in readers.items():
@@ -408,11 +390,6 @@ class Rotation:
                           f"can rotate ({why}); run without --rotate {kind}")
         logger.debug("--rotate %s proven on %s: relative error %.2e", kind, what, err)
         return err
-
-
-def _norm_affine_whole(norm: nn.Module, hidden: int):
-    with _Swap(norm):
-        return _norm_affine(norm, hidden)
 
 
 def _reads_hidden(m: nn.Module, hidden: int) -> bool:
