@@ -98,6 +98,14 @@ def summary_lines(report: dict, worst: int = 5) -> list[str]:
             lines.append(f"    {e['rel_err']:.4f}{rtn}  {name}")
     if report.get("experts_rtn_fallback"):
         lines.append(f"  {report['experts_rtn_fallback']} expert(s) saw no calibration token (RTN)")
+    rot = report.get("rotation")
+    if rot:  # --rotate: what was rotated and how closely each proof held
+        errors = [b["error"] for b in rot["blocks"].values()] + ([rot["root"]["error"]] if "root" in rot else [])
+        kinds = [f"r1 ({rot['r1']} {rot['hidden_size']})"] if rot.get("r1") else []
+        kinds += [f"r2 ({kind} {d})" for d, kind in rot.get("r2", {}).items()]
+        size = f" in blocks of {rot['block']}" if rot.get("block") else ""
+        lines.append(f"  rotated: {', '.join(kinds) or 'nothing'}{size}; proven on {len(rot['blocks'])} block(s), "
+                     f"largest relative error {max(errors, default=0):.2e}")
     return lines
 
 
