@@ -60,7 +60,8 @@ GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaqfull_w2", "gptqfull_w2
 SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2", "tbfp_w2", "eval_tbfp_w2")
 # --rotate r1,r2 (issue 36): beside RTN / GPTQ / GPTAQ at 4, 3 and 2 bits, and the W4A4 float formats
 ROTATE = ("rtnrot_w2", "gptqrot_w2", "gptaqrot_w2", "gptq3rot_w2", "gptq2rot_w2", "gptaq2rot_w2",
-          "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2")
+          "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2",
+          "nvgptaq_w2")
 ROTATE += tuple(f"eval_{r}" for r in ROTATE)
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH, *ROTATE)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
@@ -93,6 +94,7 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "mxgptaqrotb32": ("gptaq", ["--scheme", "MXFP4", "--rotate", "r1,r2", "--rotate-block", "32"]),
     "nvgptqrot": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2"]),
     "nvgptqrotb16": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2", "--rotate-block", "16"]),
+    "nvgptaq": ("gptaq", ["--scheme", "NVFP4"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
