@@ -98,22 +98,24 @@ def _norm_like(mod: nn.Module, hidden: int) -> bool:
     return set(p) == {"weight"} and p["weight"].dim() == 1 and p["weight"].shape[0] == hidden
 
 
-def _norm_affine(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, b)``: the norm's output on a constant input is ``a * w + b`` per channel (``w`` its scale):
-    ``(1, 0)`` for ``w * x``, ``(1, 1)`` for Gemma's ``(1 + w) * x``.  Measured with the weight swapped for
-    plain float32 zeros, then ones, on a constant input (which normalizes to 1), the module's own weight (a
-    sharded one too) put back after."""
+def _norm_with(norm: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` (float32) with its weight swapped for the plain float32 ``weight`` during the call; the
+    module's own weight (a sharded one too) put back after."""
     p = norm._parameters["weight"]
-    x = torch.full((1, hidden), 1e3, dtype=torch.float32, device=p.device)  # normalized: 1 (eps / 1e6 off)
-    outs = []
     try:
-        for v in (0.0, 1.0):
-            norm._parameters["weight"] = nn.Parameter(torch.full((hidden,), v, dtype=torch.float32, device=p.device),
-                                                      requires_grad=False)
-            outs.append(norm(x).float().reshape(-1))
+        norm._parameters["weight"] = nn.Parameter(weight.float().to(p.device), requires_grad=False)
+        return norm(x.float().to(p.device)).float()
     finally:
         norm._parameters["weight"] = p
-    return outs[1] - outs[0], outs[0]
+
+
+def _norm_affine(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)``: the norm's output on a constant input is ``a * w + b`` per channel (``w`` its scale):
+    ``(1, 0)`` for ``w * x``, ``(1, 1)`` for Gemma's ``(1 + w) * x``.  Measured with the weight at zeros,
+    then ones, on a constant input (which normalizes to 1: eps / 1e6 off)."""
+    x = torch.full((1, hidden), 1e3)
+    zero, one = (_norm_with(norm, torch.full((hidden,), v), x).reshape(-1) for v in (0.0, 1.0))
+    return one - zero, zero
 
 
 def _set_local(p: torch.Tensor, whole: torch.Tensor) -> None:
@@ -186,19 +188,19 @@ class Rotation:
         self.lm_head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
         self.tied = head.weight is emb.weight
         a, b = _norm_affine(norm, self.hidden)
-        g = a * full_tensor(norm.weight).float().to(a.device) + b
-        # the probe: logits before, on hidden states h with the norm as it is
+        w = full_tensor(norm.weight).float()
+        g = a * w.to(a.device) + b
+        # the probe: this rank's logits before, through the final norm module itself, on hidden states h
         h = torch.randn(PROBE_TOKENS, self.hidden, generator=torch.Generator().manual_seed(self.seed + 2)).to(self.device)
-        ref = (_rms(h) * g.to(h.device)) @ local_box(head.weight)[0].float().T
-        _map_local(emb.weight, lambda w: rotate_input(w, q))
+        ref = _norm_with(norm, w, h) @ local_box(head.weight)[0].float().T
+        _map_local(emb.weight, lambda t: rotate_input(t, q))
         if not self.tied:
-            _map_local(head.weight, lambda w: rotate_input(w, q, g))
+            _map_local(head.weight, lambda t: rotate_input(t, q, g))
         self._set_one(norm, a, b)
         self.g_final = g
-        g1 = a * full_tensor(norm.weight).float().to(a.device) + b
         w_new = local_box(head.weight)[0]
         w_new = (_untied(w_new, q, g) if self.tied else w_new).float()
-        got = (_rms(h @ q) * g1.to(h.device)) @ w_new.T
+        got = _norm_with(norm, full_tensor(norm.weight), h @ q) @ w_new.T
         err = _rel(got - ref, ref)
         self._check(err, f"the root ({norm_name} -> {self.lm_head_name})")
         self.report["root"] = {"final_norm": norm_name, "lm_head": self.lm_head_name, "untied": self.tied,
@@ -395,10 +397,6 @@ class Rotation:
 def _reads_hidden(m: nn.Module, hidden: int) -> bool:
     w = m._parameters.get("weight")
     return w is not None and w.dim() == 2 and w.shape[1] == hidden
-
-
-def _rms(h: torch.Tensor) -> torch.Tensor:
-    return h / h.pow(2).mean(-1, keepdim=True).sqrt()
 
 
 def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
