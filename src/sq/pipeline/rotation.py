@@ -64,7 +64,7 @@ def rotation_problems(cfg, in_memory: bool, model: nn.Module) -> list[str]:
                        f"{', '.join(map(str, bad))} (r2)")
     if in_memory:
         out.append("--rotate rewrites every weight of the model, embeddings and lm_head included: quantize "
-                   "from a checkpoint (sq.ptq / sq.quantize_checkpoint), not a model in memory")
+                   "from a checkpoint (sq.ptq, or sq.pipeline.job.quantize_model), not a model in memory")
     if cfg.target_bits is not None:
         out.append("--rotate with --target-bits: the search scores the unrotated blocks; run one or the other")
     return out
