@@ -61,7 +61,7 @@ SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w
 # --rotate r1,r2 (issue 36): beside RTN / GPTQ / GPTAQ at 4, 3 and 2 bits, and the W4A4 float formats
 ROTATE = ("rtnrot_w2", "gptqrot_w2", "gptaqrot_w2", "gptq3rot_w2", "gptq2rot_w2", "gptaq2rot_w2",
           "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2",
-          "nvgptaq_w2")
+          "nvgptaq_w2", "sr4rot_w2")
 ROTATE += tuple(f"eval_{r}" for r in ROTATE)
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH, *ROTATE)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
@@ -95,6 +95,7 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "nvgptqrot": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2"]),
     "nvgptqrotb16": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2", "--rotate-block", "16"]),
     "nvgptaq": ("gptaq", ["--scheme", "NVFP4"]),
+    "sr4rot": ("signround", ["--iters", "50", "--rotate", "r1,r2"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64
     ("fp", "11.16", ""),
