@@ -112,6 +112,9 @@ class Comparison:
         methods = self.vllm.quant_methods
         if self.quantized and not self.vllm.schemes:
             out.append(f"vLLM built every Linear unquantized ({methods}) from a quantized checkpoint")
+        if self.vllm.w4a8:
+            out.append(f"vLLM ran {self.vllm.w4a8} int4 Linears with int8 activations (VLLM_CPU_INT4_W4A8=1 on a "
+                       "CPU with AMX): not the checkpoint's weight-only scheme")
         if abs(self.gap) > self.max_gap:
             out.append(f"perplexity {self.vllm_ppl:.4f} in vLLM vs {self.transformers_ppl:.4f} in transformers "
                        f"({self.gap:+.2%}, more than {self.max_gap:.0%} apart)")
@@ -134,6 +137,7 @@ class Comparison:
                 "transformers_margin": round(d.transformers_margin, 4), "vllm_margin": round(d.vllm_margin, 4)},
             "schemes": self.vllm.schemes, "quant_methods": self.vllm.quant_methods,
             "problems": self.vllm.problems, "versions": self.vllm.versions, "seconds": self.vllm.seconds,
+            "fp8_gemm": self.vllm.fp8_gemm, "w4a8": self.vllm.w4a8,
             "failures": self.failures(),
         }
 

@@ -66,6 +66,8 @@ class EngineRun:
     log: list[dict]
     versions: dict[str, str]
     seconds: dict[str, float] = field(default_factory=dict)
+    fp8_gemm: dict = field(default_factory=dict)  # how torch's CPU fp8 GEMM ran (vllm_worker._route_fp8_gemm)
+    w4a8: int = 0  # int4 Linears vLLM ran with int8 activations (VLLM_CPU_INT4_W4A8 on a CPU with AMX)
 
     @property
     def perplexity(self) -> float:
@@ -101,6 +103,9 @@ def _environment() -> dict:
     env.pop("PYTHONPATH", None)  # sq's venv paths must not shadow the engine venv's transformers
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the model is reachable for inspection
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")  # vLLM's CPU default leaves one core idle
+    # vLLM 0.32's CPU build serves int4 weights with int8 activations where the CPU has AMX tiles, unless told
+    # not to: that is W4A8, not the checkpoint's W4A16 (docs/serving.md measures the difference)
+    env.setdefault("VLLM_CPU_INT4_W4A8", "0")
     env["VLLM_CONFIGURE_LOGGING"] = "0"  # its records reach the worker's root logger, which keeps them
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
@@ -186,7 +191,8 @@ def run_vllm_jobs(jobs: list[Job], *, python: str | os.PathLike | None = None,
             continue
         out.append(EngineRun(model=model, token_logprobs=r.get("token_logprobs", []), greedy=r.get("greedy", []),
                              quant_methods=r.get("quant_methods", {}), schemes=r.get("schemes", {}),
-                             log=r.get("log", []), versions=versions, seconds=r.get("seconds", {})))
+                             log=r.get("log", []), versions=versions, seconds=r.get("seconds", {}),
+                             fp8_gemm=result.get("fp8_gemm", {}), w4a8=r.get("w4a8", 0)))
     return out
 
 

@@ -70,9 +70,17 @@ def rotation_problems(cfg, in_memory: bool, model: nn.Module) -> list[str]:
     return out
 
 
+def _attention(module: nn.Module):
+    """``(name, module, v_proj, o_proj, head_dim or None)`` of every submodule with ``v_proj`` and ``o_proj`` Linears."""
+    for name, mod in module.named_modules():
+        v, o = getattr(mod, "v_proj", None), getattr(mod, "o_proj", None)
+        if isinstance(v, nn.Linear) and isinstance(o, nn.Linear):
+            d = getattr(mod, "head_dim", None)
+            yield name, mod, v, o, d if isinstance(d, int) else None
+
+
 def _head_dims(model: nn.Module) -> list[int]:
-    return [m.head_dim for m in model.modules() if isinstance(getattr(m, "v_proj", None), nn.Linear)
-            and isinstance(getattr(m, "o_proj", None), nn.Linear) and isinstance(getattr(m, "head_dim", None), int)]
+    return [d for *_, d in _attention(model) if d is not None]
 
 
 def _ptr(t) -> int | None:
@@ -118,6 +126,12 @@ def _norm_affine(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tens
     return one - zero, zero
 
 
+def _norm_scale(norm: nn.Module, affine: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The norm's effective per-channel scale ``a * w + b`` (float32, whole; a collective when sharded)."""
+    a, b = affine
+    return a * full_tensor(norm.weight).float().to(a.device) + b
+
+
 def _set_local(p: torch.Tensor, whole: torch.Tensor) -> None:
     """This rank's part of ``p`` from ``whole`` (the new value of all of ``p``)."""
     local, off = local_box(p)
@@ -144,12 +158,9 @@ class Rotation:
         emb = model.get_input_embeddings()
         self.hidden = int(emb.weight.shape[1])
         self.r1 = "r1" in self.kinds
-        self.q, kind = None, None
-        if self.r1 and (block is None or self.hidden % block == 0):  # else refused by rotation_problems
-            q, kind = orthogonal(self.hidden, seed, block)
-            self.q = q.float().to(device)
+        self.q = None  # R1, built by start()
         self.report: dict = {"rotations": list(self.kinds), "hidden_size": self.hidden, "block": block,
-                             "r1": kind if self.r1 else None, "r2": {}, "blocks": {}, "tolerance": TOLERANCE}
+                             "r1": None, "r2": {}, "blocks": {}, "tolerance": TOLERANCE}
         self.heads: dict[int, torch.Tensor] = {}
         self.probe = None
         self.tied = False
@@ -164,6 +175,8 @@ class Rotation:
         h0, kw = capture_block0(self.model, ids, self.device, dtype=dtype)[0]
         self.probe = (h0.detach(), kw)
         if self.r1:
+            q, self.report["r1"] = orthogonal(self.hidden, self.seed, self.size)
+            self.q = q.float().to(self.device)
             self._root()
 
     def _final_norm(self) -> tuple[str, nn.Module]:
@@ -189,7 +202,7 @@ class Rotation:
         self.tied = head.weight is emb.weight
         a, b = _norm_affine(norm, self.hidden)
         w = full_tensor(norm.weight).float()
-        g = a * w.to(a.device) + b
+        g = _norm_scale(norm, (a, b))
         # the probe: this rank's logits before, through the final norm module itself, on hidden states h
         h = torch.randn(PROBE_TOKENS, self.hidden, generator=torch.Generator().manual_seed(self.seed + 2)).to(self.device)
         ref = _norm_with(norm, w, h) @ local_box(head.weight)[0].float().T
@@ -336,8 +349,7 @@ class Rotation:
     def _rotate_r1(self, prefix, readers, writers, norms) -> None:
         q = self.q
         affine = {n: _norm_affine(m, self.hidden) for n, m in norms.items()}
-        scales = {n: a * full_tensor(m.weight).float().to(a.device) + b for (n, m), (a, b) in
-                  zip(norms.items(), affine.values())}
+        scales = {n: _norm_scale(m, affine[n]) for n, m in norms.items()}
         for name, (m, norm) in readers.items():
             g = scales[norm] if norm is not None else None
             if is_experts_module(m):
@@ -359,12 +371,8 @@ class Rotation:
     def _rotate_r2(self, prefix: str, block: nn.Module) -> int:
         """Per-head rotations of each attention module with ``v_proj`` and ``o_proj`` Linears; the heads rotated."""
         n = 0
-        for name, mod in block.named_modules():
-            v, o = getattr(mod, "v_proj", None), getattr(mod, "o_proj", None)
-            if not (isinstance(v, nn.Linear) and isinstance(o, nn.Linear)):
-                continue
-            d = getattr(mod, "head_dim", None)
-            if not isinstance(d, int) or v.out_features % d or o.in_features % d:
+        for name, _, v, o, d in _attention(block):
+            if d is None or v.out_features % d or o.in_features % d:
                 raise SqError(f"--rotate r2: {prefix}.{name} has no head_dim dividing v_proj's "
                               f"{v.out_features} rows and o_proj's {o.in_features} columns")
             if d not in self.heads:

@@ -251,6 +251,23 @@ def _logits(model, vocab: int) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
 
 
+def _both_logits(ref_dir: Path, out: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits transformers gives for the reference checkpoint and for ``out``, on the same ids; raises
+    ``AssertionError`` when either loads with missing, unexpected or mismatched keys."""
+    ref_model, ref_info = _load(ref_dir)
+    model, info = _load(out)
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if ref_info.get(kind):
+            raise AssertionError(f"the reference ({ref_dir}) has {kind}: {sorted(ref_info[kind])[:8]}")
+        if info.get(kind):
+            problems.append(f"transformers loading {out} reports {kind}: {sorted(info[kind])[:8]}")
+    if problems:
+        raise AssertionError("\n".join(problems))
+    vocab = model.config.get_text_config().vocab_size
+    return _logits(ref_model, vocab), _logits(model, vocab)
+
+
 def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float = 0.35) -> dict:
     """Prove ``out`` (a W4A16 output of checkpoint ``src``) is ``src`` with some weights quantized.
 
@@ -300,17 +317,7 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
                 shutil.copy(f, ref_dir / f.name)
         patched = {k: (deq[k].to(v.dtype) if k in deq else v).contiguous() for k, v in source.items()}
         save_file(patched, ref_dir / "model.safetensors", metadata={"format": "pt"})
-        ref_model, ref_info = _load(ref_dir)
-        model, info = _load(out)
-        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-            if ref_info.get(kind):
-                raise AssertionError(f"the reference (source layout) has {kind}: {sorted(ref_info[kind])[:8]}")
-            if info.get(kind):
-                problems.append(f"transformers loading {out} reports {kind}: {sorted(info[kind])[:8]}")
-        if problems:
-            raise AssertionError("\n".join(problems))
-        vocab = model.config.get_text_config().vocab_size
-        a, b = _logits(ref_model, vocab), _logits(model, vocab)
+        a, b = _both_logits(ref_dir, out)
     diff = float((a - b).abs().max())
     scale = float(a.abs().max())
     if not torch.isfinite(b).all() or diff > atol * max(1.0, scale):
@@ -329,14 +336,7 @@ def check_rotated(src: Path, out: Path, *, max_rel: float = 0.05, max_proof: flo
     worst = max(proofs, key=proofs.get)
     if proofs[worst] > max_proof:
         raise AssertionError(f"{out}: the rotation's proof on {worst} is {proofs[worst]:.3g} off")
-    ref_model, _ = _load(Path(src))
-    model, info = _load(Path(out))
-    problems = [f"transformers loading {out} reports {kind}: {sorted(info[kind])[:8]}"
-                for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(kind)]
-    if problems:
-        raise AssertionError("\n".join(problems))
-    vocab = model.config.get_text_config().vocab_size
-    a, b = _logits(ref_model, vocab), _logits(model, vocab)
+    a, b = _both_logits(Path(src), Path(out))
     rel = float((a - b).norm() / a.norm().clamp_min(1e-12))
     if not torch.isfinite(b).all() or rel > max_rel:
         raise AssertionError(f"{out}: logits {rel:.3g} away from the source's (relative): the rotation changed "
