@@ -59,15 +59,20 @@ def served_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("served")
 
 
+# a mixed-precision search whose two schemes vLLM's CPU build both runs (in bf16)
+SEARCH = ["--target-bits", "6", "--candidates", "W4A16,FP8_DYNAMIC"]
+
+
 def _quantize(root, smollm2_ckpt, algo: str, scheme: str):
-    """``scheme``: a preset, ``+full`` for ``--int-grid full``, ``+rot`` for ``--rotate r1,r2``."""
+    """``scheme``: a preset, ``+full`` for ``--int-grid full``, ``+rot`` for ``--rotate r1,r2``, ``+search``
+    for the mixed-precision search ``SEARCH``."""
     out = root / f"{algo}-{scheme}"
     if (out / "config.json").is_file():
         return out
     scheme, _, grid = scheme.partition("+")
     args = ["sq.ptq", "--model", str(smollm2_ckpt), "--output", str(out), "--scheme", scheme, "--algo", algo,
             "--group-size", "64", *CALIB[algo]]
-    args += ["--rotate", "r1,r2"] if grid == "rot" else ["--int-grid", grid] if grid else []
+    args += {"rot": ["--rotate", "r1,r2"], "search": SEARCH}.get(grid, ["--int-grid", grid] if grid else [])
     if algo == "gptq":  # the distributed path users run: 2 ranks, each solving its share of every block
         result = run_cli(args, 2, timeout=600)
     else:
@@ -118,6 +123,7 @@ def served(engine, smollm2_ckpt, demo_tokens, served_dir):
         if scheme == "W4A16_ASYM":
             reference = dequantized_copy(out, served_dir / "dense-W4A16_ASYM", scheme, 64)
         cases[f"{algo}-{scheme}"] = Case(out, dtype, reference)
+    cases["gptq-search"] = Case(_quantize(served_dir, smollm2_ckpt, "gptq", "W4A16+search"), "bfloat16")
     cases["rtn-W8A16"] = Case(_quantize(served_dir, smollm2_ckpt, "rtn", "W8A16"), "bfloat16")
     cases["untied"] = Case(_untied(smollm2_ckpt, served_dir / "untied"), "float32")
     windows, prompt = demo_tokens
@@ -162,6 +168,22 @@ def test_vllm_serves_it_as_transformers_reads_it(served, algo, scheme, dtype, ex
     print(json.dumps(record))  # the CI log keeps the numbers
     assert result.vllm.schemes == {expected: LINEARS}, result.vllm.quant_methods
     assert record["versions"]["compressed-tensors"] == "0.17.0"  # sq writes with 0.20: the skew users hit
+    assert not result.failures(), result.failures()
+
+
+def test_vllm_serves_a_searched_mixed_precision_output(served):
+    """``--target-bits 6 --candidates W4A16,FP8_DYNAMIC`` (GPTQ, 2 ranks): a recipe of two schemes in one
+    config; vLLM builds each Linear with its scheme (fused q/k/v and gate/up share one, else vLLM refuses
+    the fusion) and serves it as transformers reads it."""
+    result = served["gptq-search"]
+    if isinstance(result, SqError):
+        _xfail_if_the_engine_has_no_kernel_here(result)
+        raise result
+    record = result.record()
+    print(json.dumps(record))
+    schemes = result.vllm.schemes
+    assert set(schemes) == {"CompressedTensorsWNA16", "CompressedTensorsW8A8Fp8"}, schemes
+    assert sum(schemes.values()) == LINEARS, schemes
     assert not result.failures(), result.failures()
 
 

@@ -61,6 +61,7 @@ class PTQConfig:
     # offline rotations fused into the weights before the algorithm (sq.pipeline.rotation): r1, r2
     rotate: tuple[str, ...] = ()
     rotate_block: int | None = None  # None: one rotation over the whole hidden size (head size for r2)
+    preflight: bool = True  # refuse a job whose predicted disk need exceeds the free space (sq.plan)
 
     @classmethod
     def build(cls, *, algo: str | AlgoConfig = "gptq", **kw) -> PTQConfig:
@@ -159,9 +160,10 @@ class PTQConfig:
         # skip_nonfinite decides only what happens to a non-finite weight, which refuses the run
         # without it: a rerun that adds the flag continues the blocks already done
         # allow_unmatched only decides whether a pattern that matches nothing is refused; int_grid is in
-        # the schemes (a scheme names its grid), where it is kept out while standard
+        # the schemes (a scheme names its grid), where it is kept out while standard; preflight only checks disk
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite",
-                  "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched", "int_grid"):
+                  "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched", "int_grid",
+                  "preflight"):
             d.pop(k)
         if not calibrated:
             for k in CALIBRATION_FIELDS:

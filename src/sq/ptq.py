@@ -128,6 +128,9 @@ def build_parser() -> ArgParser:
                    help="quantize straight from the safetensors files without building the model (data-free "
                         "schemes, --algo rtn; taken automatically when transformers cannot build the "
                         "architecture): docs/model-free.md")
+    p.add_argument("--no-preflight", dest="preflight", action="store_false",
+                   help="skip the check, before anything is written, that the disk where --output lives has room "
+                        "for the predicted checkpoint and resume state (docs/cli.md)")
     p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
     return p
 
@@ -146,7 +149,7 @@ def parse_args(argv=None, with_model_free: bool = False):
                      int_grid=a.int_grid, target_bits=a.target_bits,
                      candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
                      rotate=tuple(r.strip().lower() for r in a.rotate.split(",") if r.strip()),
-                     rotate_block=a.rotate_block,
+                     rotate_block=a.rotate_block, preflight=a.preflight,
                      fault=os.environ.get("SQ_FAULT"))
     return (cfg, a.model_free) if with_model_free else cfg
 

@@ -69,6 +69,7 @@ from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinit
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
 from sq.pipeline.rotation import Rotation, rotation_problems
+from sq.plan import chain_bytes, disk_problems, predict_output_bytes, side_bytes, written_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class _Pipeline:
         self.search_report: dict | None = None  # --target-bits (sq.pipeline.search), when it ran in this process
         # --rotate (sq.pipeline.rotation): fused into each block right after it is filled
         self.rotation = Rotation(model, cfg.rotate, cfg.seed, self.device, cfg.rotate_block) if cfg.rotate else None
+        self.disk: dict = {}  # the disk preflight's prediction and measurements (claim)
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
         # their shards, every few blocks where calibration forwards churn activations (sq.memory)
         self.trim = HeapTrim() if self.calibrated else HeapTrim(every=1)
@@ -163,9 +165,26 @@ class _Pipeline:
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
             sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
+        if cfg.preflight:
+            problems += self._disk_preflight()
         tokens = self.windows() if self.calibrated else None
         return self.run.claim(sig, cfg.resume, problems, config=self.weights.config,
                               tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes()))
+
+    def _disk_preflight(self) -> list[str]:
+        """The disk the job needs (``sq.plan``) against the free space where ``--output`` lives (every rank
+        measures; any rank's refusal stops all of them)."""
+        cfg = self.cfg
+        output = predict_output_bytes(self.model, self.targets, self.weight_dtype, target_bits=cfg.target_bits)
+        state = 0
+        if self.calibrated and cfg.bookkeeping and self.targets.blocks:
+            hidden = int(self.model.get_input_embeddings().weight.shape[-1])
+            state = chain_bytes(cfg.nsamples * cfg.seqlen, hidden, self.compute_dtype or self.weight_dtype
+                                or torch.float32, self.algo.fp_chain)
+        side = side_bytes(getattr(self.weights, "src", None))
+        problems, facts = disk_problems(self.out, output + state + side)
+        self.disk = {"predicted_output_bytes": output + side, "predicted_state_bytes": state, **facts}
+        return problems
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -513,6 +532,8 @@ class _Pipeline:
             report["search"] = self.search_report
         if self.rotation is not None:
             report["rotation"] = self.rotation.report
+        if self.disk:  # the preflight's prediction beside what is in the folder now (report and index to come)
+            report["disk"] = {**self.disk, "written_output_bytes": written_bytes(self.out)}
         return report
 
 

@@ -81,16 +81,21 @@ class Unit:
 
 
 @lru_cache(maxsize=None)
-def _bits(scheme: QuantScheme, out_features: int, in_features: int, dtype: torch.dtype) -> int:
-    """Stored bits of ``scheme`` on an ``[out, in]`` weight of ``dtype``: its compressed tensors counted
-    byte by byte (codes, scales, zero points, global scales, the shape record) as compressed-tensors
+def stored_tensors(scheme: QuantScheme, out_features: int, in_features: int, dtype: torch.dtype) -> dict[str, int]:
+    """The tensors ``scheme`` writes for an ``[out, in]`` weight of ``dtype`` (codes, scales, zero points,
+    global scales, the shape record, activation scales) and the bytes of each, as compressed-tensors
     stores them."""
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     solved = rtn.rtn_rows(w, scheme)
     tensors = compress_weight((solved.q, solved.scale, solved.zero_point), scheme, tuple(w.shape),
                               global_scale=solved.global_scale,
                               activation_scales={o.name: torch.ones(1) for o in activation_observers(scheme)})
-    return sum(t.numel() * t.element_size() * 8 for t in tensors.values())
+    return {name: t.numel() * t.element_size() for name, t in tensors.items()}
+
+
+def _bits(scheme: QuantScheme, out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """Stored bits of ``scheme`` on an ``[out, in]`` weight of ``dtype``, byte by byte (``stored_tensors``)."""
+    return 8 * sum(stored_tensors(scheme, out_features, in_features, dtype).values())
 
 
 def _expert_shapes(ex) -> list[tuple[int, int]]:
