@@ -1,7 +1,7 @@
 """Predictions a job makes before it writes anything: the disk it needs (``sq.ptq``'s preflight).
 
 The output's size is counted from the model on the meta device and the job's targets: every quantized
-Linear (and experts module) at the bytes its scheme stores on that shape (``sq.pipeline.search._bits``:
+Linear (and experts module) at the bytes its scheme stores on that shape (``sq.pipeline.search.stored_tensors``:
 codes, scales, zero points, global scales, the shape record, as compressed-tensors writes them), every
 other parameter at its own size; plus the resume state's peak (each rank keeps its last chain files,
 ``sq.resume``) and the side files copied from the source.  ``sq.ptq`` refuses, on every rank before the
@@ -120,7 +120,10 @@ def disk_problems(out: Path, need: int) -> tuple[list[str], dict]:
     """Refusal when the filesystem holding ``out`` cannot take ``need`` more bytes than the folder already
     has (a resumed or replaced run reuses its own files); the numbers for the report."""
     where = _existing(out)
-    free = shutil.disk_usage(where).free
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as e:  # no statvfs there: nothing to predict against (the write itself still reports ENOSPC)
+        return [], {"need_bytes": need, "free_bytes": None, "error": f"{where}: {e.strerror or e}"}
     have = written_bytes(out, state=True)
     facts = {"need_bytes": need, "free_bytes": free, "in_output_bytes": have}
     if need * SLACK > free + have:
