@@ -46,3 +46,14 @@ def test_help_explains_every_option_and_its_default(module):
                                 ("--dataset", "builtin:pydoc"), ("--group-size", "128"), ("--seed", "0")]:
             block = text.split("options:", 1)[1].split(f"  {option} ", 1)[1].split("\n  --", 1)[0]
             assert f"(default: {default})" in " ".join(block.split()), f"{option}: {block!r}"
+
+
+def test_plan_documents_the_options_it_adds_to_ptqs():
+    """``sq.plan`` takes sq.ptq's arguments (documented in that section) and adds its own, documented in its."""
+    import importlib
+
+    ptq = {o for a in importlib.import_module("sq.ptq").build_parser()._actions for o in a.option_strings}
+    plan = {o for a in importlib.import_module("sq.plan").build_parser()._actions for o in a.option_strings}
+    section = DOC.split("-m sq.plan`", 1)[1].split("\n## ", 1)[0]
+    added = sorted(o for o in plan - ptq if o.startswith("--"))
+    assert added and all(f"`{o}`" in section for o in added), added

@@ -101,3 +101,34 @@ def test_a_job_the_disk_cannot_hold_is_refused_before_writing(llama_ckpt, small_
     res = _ptq(llama_ckpt, out, 2, "--scheme", "W8A16", "--group-size", "32", "--algo", "rtn", "--no-preflight")
     assert res.returncode != 0
     assert "no space left on the device while writing" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("world,args", [
+    (2, ["--scheme", "W4A16", "--group-size", "32", "--algo", "gptq", "--calib-dtype", "float32", *CALIB]),
+    (1, ["--scheme", "FP8_DYNAMIC", "--algo", "rtn"]),
+], ids=["gptq-2ranks", "rtn-fp8"])
+def test_plan_predicts_what_the_job_then_reports(llama_ckpt, tmp_path, world, args):
+    """``python -m sq.plan`` + the job's own arguments: the numbers the job's preflight then records, exactly,
+    with no weight read and no process group."""
+    out = tmp_path / "out"
+    planned = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(out), "--world", str(world),
+                          "--json", *args], timeout=300)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    plan = json.loads(planned.stdout.strip().splitlines()[-1])
+    assert plan["fits"] and not out.exists()
+    res = _ptq(llama_ckpt, out, world, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    disk = json.loads((out / "sq_report.json").read_text())["disk"]
+    assert plan["predicted_output_bytes"] == disk["predicted_output_bytes"], (plan, disk)
+    assert plan["predicted_state_bytes"] == disk["predicted_state_bytes"], (plan, disk)
+    human = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(tmp_path / "o2"), *args], timeout=300)
+    assert human.returncode == 0 and "verdict        fits" in human.stdout, human.stdout + human.stderr[-2000:]
+
+
+def test_plan_refuses_what_the_disk_cannot_hold(llama_ckpt, small_disk):
+    out = small_disk / "out"
+    res = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(out), "--scheme", "W8A16",
+                      "--group-size", "32", "--algo", "rtn", "--json"], timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["fits"] is False
+    assert f"sq: error: --output {out}: the job needs about" in res.stderr

@@ -21,7 +21,7 @@ from torch import nn
 
 from sq.anatomy import EXPERT_PARAMS
 
-__all__ = ["predict_output_bytes", "chain_bytes", "disk_problems", "written_bytes", "GiB"]
+__all__ = ["predict_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "GiB", "main"]
 
 GiB = 1 << 30
 SLACK = 1.02  # index, config, report, picture, logs: ~3% of the demo's output (tests/test_plan.py)
@@ -87,6 +87,17 @@ def predict_output_bytes(model: nn.Module, targets, weight_dtype: torch.dtype | 
     return total
 
 
+def disk_need(cfg, model: nn.Module, targets, weight_dtype: torch.dtype | None, src: Path | None, *,
+              calibrated: bool, chain_dtype: torch.dtype, fp_chain: bool) -> dict:
+    """The job's predicted disk: the checkpoint with its side files, and the resume state's peak."""
+    output = predict_output_bytes(model, targets, weight_dtype, target_bits=cfg.target_bits)
+    state = 0
+    if calibrated and cfg.bookkeeping and targets.blocks:
+        hidden = int(model.get_input_embeddings().weight.shape[-1])
+        state = chain_bytes(cfg.nsamples * cfg.seqlen, hidden, chain_dtype, fp_chain)
+    return {"predicted_output_bytes": output + side_bytes(src), "predicted_state_bytes": state}
+
+
 def chain_bytes(tokens: int, hidden: int, dtype: torch.dtype, both_chains: bool) -> int:
     """All ranks' resume chain files at their peak: each block's inputs of every calibration token."""
     return CHAINS_KEPT * tokens * hidden * torch.empty((), dtype=dtype).element_size() * (2 if both_chains else 1)
@@ -132,3 +143,101 @@ def disk_problems(out: Path, need: int) -> tuple[list[str], dict]:
                 + (f" beside {have / GiB:.2f} GiB already in the folder" if have else "")
                 + "; free space, choose another --output, or pass --no-preflight to try anyway"], facts
     return [], facts
+
+
+# ---- python -m sq.plan: the same prediction before launching
+
+DESCRIPTION = """\
+Predict what a sq.ptq job needs before launching it. Takes sq.ptq's own arguments (prefix
+the job's command line with python -m sq.plan), reads only config.json, the index and the
+safetensors headers, and prints the disk the checkpoint and the resume state will take and the
+free space where --output lives; exits 2 with the job's own refusal when it would not fit.
+Memory and time are not predicted yet."""
+
+
+def build_parser():
+    from sq.ptq import build_parser as ptq_parser
+
+    p = ptq_parser()
+    p.prog = "python -m sq.plan"
+    p.description = DESCRIPTION
+    p.add_argument("--world", type=int, default=1, metavar="N",
+                   help="ranks the job will run on (nproc-per-node x nnodes; default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON line (for schedulers)")
+    return p
+
+
+def plan_job(cfg, world: int) -> tuple[dict, list[str]]:
+    """The prediction ``sq.ptq`` makes at start, without a process group or any weight read."""
+    from sq.errors import SqError
+    from sq.load.loader import plan_load
+    from sq.load.meta import build_skeleton
+    from sq.parallel.fsdp import main_dtype
+    from sq.pipeline.targets import plan_targets
+    from sq.pipeline.weights import CheckpointWeights
+    from sq.quant.algorithms import make_algorithm
+    from sq.resolve import resolve_model
+
+    if world < 1:
+        raise SqError(f"--world must be at least 1, got {world}")
+    assigner = cfg.assigner()
+    src = resolve_model(cfg.model)
+    if not isinstance(src, Path):
+        raise SqError(f"sq.plan reads a local checkpoint folder or demo:NAME; {cfg.model!r} is not one "
+                      "(download it first: sq.ptq does, on rank 0)")
+    model = build_skeleton(src, trust_remote_code=cfg.trust_remote_code)
+    load = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
+    targets = plan_targets(model, assigner, CheckpointWeights(model, load, src, torch.device("cpu")), world)
+    weight_dtype = main_dtype(targets.blocks[0][1]) if targets.blocks else None
+    algo = make_algorithm(cfg.algo)
+    calibrated = cfg.needs_data(assigner)
+    # the calibration dtype is measured at start (sq.probe): float32 is the larger chain
+    chain_dtype = weight_dtype if cfg.calib_dtype == "model" and weight_dtype else torch.float32
+    need = disk_need(cfg, model, targets, weight_dtype, src, calibrated=calibrated, chain_dtype=chain_dtype,
+                     fp_chain=algo.fp_chain)
+    problems, facts = disk_problems(Path(cfg.output), need["predicted_output_bytes"] + need["predicted_state_bytes"])
+    quantized = sum(len(ls) for ls in targets.linears)
+    plan = {"model": str(src), "world": world, "algo": cfg.algo.name, "quantized_linears": quantized,
+            "experts_modules": sum(len(es) for es in targets.experts), "blocks": len(targets.blocks),
+            "chain_dtype": str(chain_dtype).removeprefix("torch."), **need, **facts, "fits": not problems}
+    return plan, problems
+
+
+def _print(plan: dict) -> None:
+    free = plan.get("free_bytes")
+    lines = [
+        f"sq.plan: {plan['model']} -- {plan['quantized_linears']} Linears and {plan['experts_modules']} experts modules "
+        f"quantized over {plan['blocks']} blocks, --algo {plan['algo']}, {plan['world']} rank(s)",
+        f"  checkpoint     {plan['predicted_output_bytes'] / GiB:9.3f} GiB",
+        f"  resume state   {plan['predicted_state_bytes'] / GiB:9.3f} GiB  (chain files at their peak, "
+        f"{plan['chain_dtype']})",
+        f"  disk needed    {plan['need_bytes'] * SLACK / GiB:9.3f} GiB  (with {SLACK - 1:.0%} for the index, report "
+        "and logs)",
+        f"  free there     {free / GiB:9.3f} GiB" if free is not None else f"  free there     unknown ({plan['error']})",
+        f"  verdict        {'fits' if plan['fits'] else 'does not fit'}",
+        "  memory, time   not predicted yet",
+    ]
+    print("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    from sq.cli import run_cli
+    from sq.errors import SqError
+    from sq.ptq import config_from
+
+    def body():
+        import json
+
+        a = build_parser().parse_args(argv)
+        plan, problems = plan_job(config_from(a), a.world)
+        print(json.dumps(plan)) if a.json else _print(plan)
+        if problems:
+            raise SqError(problems)
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    from sq.cli import exit_process
+
+    exit_process(main())

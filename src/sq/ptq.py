@@ -136,11 +136,17 @@ def build_parser() -> ArgParser:
 
 
 def parse_args(argv=None, with_model_free: bool = False):
+    a = build_parser().parse_args(argv)
+    cfg = config_from(a)
+    return (cfg, a.model_free) if with_model_free else cfg
+
+
+def config_from(a: argparse.Namespace):
+    """The job's PTQConfig from parsed ``sq.ptq`` arguments (``sq.plan`` parses the same ones)."""
     from sq.quant.algorithms import config_from_namespace
     from sq.config import PTQConfig
 
-    a = build_parser().parse_args(argv)
-    cfg = PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=config_from_namespace(a.algo, a),
+    return PTQConfig(model=a.model, output=a.output, scheme=a.scheme, algo=config_from_namespace(a.algo, a),
                      group_size=a.group_size, nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
@@ -151,7 +157,6 @@ def parse_args(argv=None, with_model_free: bool = False):
                      rotate=tuple(r.strip().lower() for r in a.rotate.split(",") if r.strip()),
                      rotate_block=a.rotate_block, preflight=a.preflight,
                      fault=os.environ.get("SQ_FAULT"))
-    return (cfg, a.model_free) if with_model_free else cfg
 
 
 def main(argv=None) -> int:

@@ -69,7 +69,7 @@ from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinit
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
 from sq.pipeline.rotation import Rotation, rotation_problems
-from sq.plan import chain_bytes, disk_problems, predict_output_bytes, side_bytes, written_bytes
+from sq.plan import disk_need, disk_problems, written_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -174,16 +174,11 @@ class _Pipeline:
     def _disk_preflight(self) -> list[str]:
         """The disk the job needs (``sq.plan``) against the free space where ``--output`` lives (every rank
         measures; any rank's refusal stops all of them)."""
-        cfg = self.cfg
-        output = predict_output_bytes(self.model, self.targets, self.weight_dtype, target_bits=cfg.target_bits)
-        state = 0
-        if self.calibrated and cfg.bookkeeping and self.targets.blocks:
-            hidden = int(self.model.get_input_embeddings().weight.shape[-1])
-            state = chain_bytes(cfg.nsamples * cfg.seqlen, hidden, self.compute_dtype or self.weight_dtype
-                                or torch.float32, self.algo.fp_chain)
-        side = side_bytes(getattr(self.weights, "src", None))
-        problems, facts = disk_problems(self.out, output + state + side)
-        self.disk = {"predicted_output_bytes": output + side, "predicted_state_bytes": state, **facts}
+        need = disk_need(self.cfg, self.model, self.targets, self.weight_dtype, getattr(self.weights, "src", None),
+                         calibrated=self.calibrated, fp_chain=self.algo.fp_chain,
+                         chain_dtype=self.compute_dtype or self.weight_dtype or torch.float32)
+        problems, facts = disk_problems(self.out, need["predicted_output_bytes"] + need["predicted_state_bytes"])
+        self.disk = need | facts
         return problems
 
     @property
