@@ -24,7 +24,7 @@ from sq.anatomy import EXPERT_PARAMS
 __all__ = ["predict_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "GiB", "main"]
 
 GiB = 1 << 30
-SLACK = 1.02  # index, config, report, picture, logs: ~3% of the demo's output (tests/test_plan.py)
+SLACK = 1.02  # index, config, report, picture and logs beside the checkpoint: under 1% on the demo (tests/test_plan.py)
 ROWS = 256  # a multiple of every scheme's row block (FP8_BLOCK's 128)
 HEADER_ENTRY = 64  # a header entry's bytes beside its name (dtype, shape, offsets, punctuation)
 CHAINS_KEPT = 4  # sq.resume keeps the last three chains, and a fourth is written before the oldest goes
@@ -120,6 +120,11 @@ def written_bytes(out: Path, *, state: bool = False) -> int:
                if f.is_file() and not f.is_symlink() and (state or ".sq-run" not in f.relative_to(out).parts))
 
 
+def size(n: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, else MiB."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
 def _existing(path: Path) -> Path:
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
@@ -138,9 +143,9 @@ def disk_problems(out: Path, need: int) -> tuple[list[str], dict]:
     have = written_bytes(out, state=True)
     facts = {"need_bytes": need, "free_bytes": free, "in_output_bytes": have}
     if need * SLACK > free + have:
-        return [f"--output {out}: the job needs about {need * SLACK / GiB:.2f} GiB on disk (checkpoint and resume "
-                f"state, predicted from the model and the recipe), and {where} has {free / GiB:.2f} GiB free"
-                + (f" beside {have / GiB:.2f} GiB already in the folder" if have else "")
+        return [f"--output {out}: the job needs about {size(need * SLACK)} on disk (checkpoint and resume "
+                f"state, predicted from the model and the recipe), and {where} has {size(free)} free"
+                + (f" beside {size(have)} already in the folder" if have else "")
                 + "; free space, choose another --output, or pass --no-preflight to try anyway"], facts
     return [], facts
 
