@@ -132,3 +132,11 @@ def test_plan_refuses_what_the_disk_cannot_hold(llama_ckpt, small_disk):
     assert res.returncode == 2, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1])["fits"] is False
     assert f"sq: error: --output {out}: the job needs about" in res.stderr
+
+
+def test_plan_of_a_scheme_that_cannot_apply_is_one_clear_error(llama_ckpt, tmp_path):
+    res = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(tmp_path / "o"), "--algo", "rtn",
+                      "--group-size", "48"], timeout=300)
+    assert res.returncode == 2 and "sq: error: group size 48 does not divide the weight width 64" in res.stderr, \
+        res.stderr[-2000:]
+    assert "Traceback" not in res.stderr

@@ -61,7 +61,7 @@ class PTQConfig:
     # offline rotations fused into the weights before the algorithm (sq.pipeline.rotation): r1, r2
     rotate: tuple[str, ...] = ()
     rotate_block: int | None = None  # None: one rotation over the whole hidden size (head size for r2)
-    preflight: bool = True  # refuse a job whose predicted disk need exceeds the free space (sq.plan)
+    preflight: bool = True  # refuse a job whose predicted disk need exceeds the free space (sq.pipeline.disk)
 
     @classmethod
     def build(cls, *, algo: str | AlgoConfig = "gptq", **kw) -> PTQConfig:

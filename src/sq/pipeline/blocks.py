@@ -69,7 +69,7 @@ from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinit
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
 from sq.pipeline.rotation import Rotation, rotation_problems
-from sq.plan import disk_need, disk_problems, written_bytes
+from sq.pipeline.disk import disk_need, disk_problems, written_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -165,14 +165,14 @@ class _Pipeline:
         if self.calibrated:  # the dtype the forwards actually compute in, resolved
             sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
-        if cfg.preflight:
+        if cfg.preflight and not problems:  # a job refused already is not sized (its schemes may not apply)
             problems += self._disk_preflight()
         tokens = self.windows() if self.calibrated else None
         return self.run.claim(sig, cfg.resume, problems, config=self.weights.config,
                               tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes()))
 
     def _disk_preflight(self) -> list[str]:
-        """The disk the job needs (``sq.plan``) against the free space where ``--output`` lives (every rank
+        """The disk the job needs (``sq.pipeline.disk``) against the free space where ``--output`` lives (every rank
         measures; any rank's refusal stops all of them)."""
         need = disk_need(self.cfg, self.model, self.targets, self.weight_dtype, getattr(self.weights, "src", None),
                          calibrated=self.calibrated, fp_chain=self.algo.fp_chain,

@@ -87,9 +87,10 @@ def stored_tensors(scheme: QuantScheme, out_features: int, in_features: int, dty
     stores them."""
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     solved = rtn.rtn_rows(w, scheme)
+    declared = (o.tensor(solved.scale.dtype) for o in activation_observers(scheme))  # as the format declares them
     tensors = compress_weight((solved.q, solved.scale, solved.zero_point), scheme, tuple(w.shape),
                               global_scale=solved.global_scale,
-                              activation_scales={o.name: torch.ones(1) for o in activation_observers(scheme)})
+                              activation_scales={t.name: torch.ones(t.shape, dtype=t.dtype) for t in declared})
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 
 
