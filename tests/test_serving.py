@@ -299,3 +299,30 @@ def test_int4_served_with_int8_activations_is_reported(engine, served, served_di
     else:
         assert not named and result.vllm.schemes == {"CompressedTensorsWNA16": LINEARS}, result.record()
     assert all(not r.vllm.w4a8 for r in served.values() if not isinstance(r, SqError))  # the default check: W4A16
+
+
+def test_fp8_block_served_where_the_engine_has_its_kernel(engine, tmp_path):
+    """FP8_BLOCK at widths that are multiples of 128 (a random Llama, hidden 256): vLLM's CPU block-FP8 kernel
+    needs AMX tiles and bf16 activations.  Found by asking the engine: where it builds the layers (a Xeon with
+    AMX) the output is served as transformers reads it; where it does not (an AMD EPYC), the refusal is one
+    SqError naming vLLM's reason."""
+    from sq.calib.data import BUILTIN_PYDOC, eval_windows, load_tokenizer, read_corpus, tokenize_corpus
+    from sq.testing.checkpoints import build_llama
+
+    src = build_llama(tmp_path / "llama128", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
+                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    out = tmp_path / "fp8-block"
+    res = run_python(["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "FP8_BLOCK", "--algo", "rtn"],
+                     timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tokenizer = load_tokenizer(src)
+    windows = eval_windows(tokenize_corpus(tokenizer, read_corpus(BUILTIN_PYDOC).text(tokenizer)), 4, 256)
+    (result,) = compare_all([Case(out, "bfloat16")], windows, tokenizer(PROMPT)["input_ids"], python=engine,
+                            timeout=900)
+    if isinstance(result, SqError):
+        assert re.search(r"cannot serve \S+/fp8-block: .*(requires AMX tile support|Failed to find a kernel)",
+                         str(result)), str(result)
+        return
+    print(json.dumps(result.record()))
+    assert result.vllm.schemes == {"CompressedTensorsW8A8Fp8": 2 * 4}, result.vllm.schemes  # 2 layers x 4 fused
+    assert not result.failures(), result.failures()
