@@ -111,8 +111,7 @@ def test_plan_predicts_what_the_job_then_reports(llama_ckpt, tmp_path, world, ar
     """``python -m sq.plan`` + the job's own arguments: the numbers the job's preflight then records, exactly,
     with no weight read and no process group."""
     out = tmp_path / "out"
-    planned = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(out), "--world", str(world),
-                          "--json", *args], timeout=300)
+    planned = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(out), "--json", *args], timeout=300)
     assert planned.returncode == 0, planned.stderr[-3000:]
     plan = json.loads(planned.stdout.strip().splitlines()[-1])
     assert plan["fits"] and not out.exists()

@@ -30,14 +30,13 @@ def build_parser():
     p = ptq_parser()
     p.prog = "python -m sq.plan"
     p.description = DESCRIPTION
-    p.add_argument("--world", type=int, default=1, metavar="N",
-                   help="ranks the job will run on (nproc-per-node x nnodes; default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON line (for schedulers)")
     return p
 
 
-def plan_job(cfg, world: int) -> tuple[dict, list[str]]:
-    """The prediction ``sq.ptq`` makes at start, without a process group or any weight read."""
+def plan_job(cfg) -> tuple[dict, list[str]]:
+    """The prediction ``sq.ptq`` makes at start, without a process group or any weight read.  The disk a
+    job needs does not depend on its ranks (each writes its share into the one output folder)."""
     from sq.errors import SqError
     from sq.load.loader import plan_load
     from sq.load.meta import build_skeleton
@@ -47,8 +46,6 @@ def plan_job(cfg, world: int) -> tuple[dict, list[str]]:
     from sq.quant.algorithms import make_algorithm
     from sq.resolve import resolve_model
 
-    if world < 1:
-        raise SqError(f"--world must be at least 1, got {world}")
     assigner = cfg.assigner()
     src = resolve_model(cfg.model)
     if not isinstance(src, Path):
@@ -56,7 +53,7 @@ def plan_job(cfg, world: int) -> tuple[dict, list[str]]:
                       "(download it first: sq.ptq does, on rank 0)")
     model = build_skeleton(src, trust_remote_code=cfg.trust_remote_code)
     load = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
-    targets = plan_targets(model, assigner, CheckpointWeights(model, load, src, torch.device("cpu")), world)
+    targets = plan_targets(model, assigner, CheckpointWeights(model, load, src, torch.device("cpu")), 1)
     weight_dtype = main_dtype(targets.blocks[0][1]) if targets.blocks else None
     algo = make_algorithm(cfg.algo)
     calibrated = cfg.needs_data(assigner)
@@ -66,7 +63,7 @@ def plan_job(cfg, world: int) -> tuple[dict, list[str]]:
                      fp_chain=algo.fp_chain)
     problems, facts = disk_problems(Path(cfg.output), need["predicted_output_bytes"] + need["predicted_state_bytes"])
     quantized = sum(len(ls) for ls in targets.linears)
-    plan = {"model": str(src), "world": world, "algo": cfg.algo.name, "quantized_linears": quantized,
+    plan = {"model": str(src), "algo": cfg.algo.name, "quantized_linears": quantized,
             "experts_modules": sum(len(es) for es in targets.experts), "blocks": len(targets.blocks),
             "chain_dtype": str(chain_dtype).removeprefix("torch."), **need, **facts, "fits": not problems}
     return plan, problems
@@ -76,7 +73,7 @@ def _print(plan: dict) -> None:
     free = plan.get("free_bytes")
     lines = [
         f"sq.plan: {plan['model']} -- {plan['quantized_linears']} Linears and {plan['experts_modules']} experts modules "
-        f"quantized over {plan['blocks']} blocks, --algo {plan['algo']}, {plan['world']} rank(s)",
+        f"quantized over {plan['blocks']} blocks, --algo {plan['algo']}",
         f"  checkpoint     {plan['predicted_output_bytes'] / GiB:9.3f} GiB",
         f"  resume state   {plan['predicted_state_bytes'] / GiB:9.3f} GiB  (chain files at their peak, "
         f"{plan['chain_dtype']})",
@@ -98,7 +95,7 @@ def main(argv=None) -> int:
         import json
 
         a = build_parser().parse_args(argv)
-        plan, problems = plan_job(config_from(a), a.world)
+        plan, problems = plan_job(config_from(a))
         print(json.dumps(plan)) if a.json else _print(plan)
         if problems:
             raise SqError(problems)
