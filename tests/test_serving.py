@@ -301,18 +301,43 @@ def test_int4_served_with_int8_activations_is_reported(engine, served, served_di
     assert all(not r.vllm.w4a8 for r in served.values() if not isinstance(r, SqError))  # the default check: W4A16
 
 
-def test_fp8_block_served_where_the_engine_has_its_kernel(engine, tmp_path):
-    """FP8_BLOCK at widths that are multiples of 128 (a random Llama, hidden 256): vLLM's CPU block-FP8 kernel
-    needs AMX tiles and bf16 activations.  Found by asking the engine: where it builds the layers (a Xeon with
-    AMX) the output is served as transformers reads it; where it does not (an AMD EPYC), the refusal is one
-    SqError naming vLLM's reason."""
-    from sq.calib.data import BUILTIN_PYDOC, eval_windows, load_tokenizer, read_corpus, tokenize_corpus
+def _llama128(root):
     from sq.testing.checkpoints import build_llama
 
-    src = build_llama(tmp_path / "llama128", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
-                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
-    out = tmp_path / "fp8-block"
-    res = run_python(["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "FP8_BLOCK", "--algo", "rtn"],
+    return build_llama(root, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, num_hidden_layers=2)
+
+
+def _moe128(root):
+    from sq.testing.checkpoints import build_qwen3_moe
+
+    return build_qwen3_moe(root, dtype=torch.bfloat16, hidden_size=256, moe_intermediate_size=128,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           num_hidden_layers=2)
+
+
+# Presets vLLM's CPU build runs only where its kernel library has the kernel (AMX tiles): (case, model,
+# preset, sq.ptq flags, what vLLM must build, the refusal where it has no kernel).  Two layers each.
+KERNEL_DEPENDENT = [
+    ("fp8-block", _llama128, "FP8_BLOCK", [], {"schemes": {"CompressedTensorsW8A8Fp8": 2 * 4}},
+     r"requires AMX tile support|Failed to find a kernel"),
+    ("moe-w4a16", _moe128, "W4A16", ["--group-size", "64"],
+     {"schemes": {"CompressedTensorsWNA16": 2 * 2}, "quant_methods": {"CompressedTensorsWNA16MoEMethod": 2}},
+     r"No WNA16 MoE backend supports|Failed to find a kernel"),
+]
+
+
+@pytest.mark.parametrize("case,build,preset,flags,built,refusal", KERNEL_DEPENDENT, ids=[k[0] for k in KERNEL_DEPENDENT])
+def test_served_where_the_engine_has_its_kernel(engine, tmp_path, case, build, preset, flags, built, refusal):
+    """FP8_BLOCK at widths that are multiples of 128 (a random Llama, hidden 256) and a W4A16 MoE (a random
+    Qwen3-MoE, every layer's experts packed): vLLM's CPU build has their kernels only with AMX tiles (bf16).
+    Found by asking the engine: where it builds the layers (a Xeon with AMX) the output is served as
+    transformers reads it; where it does not (an AMD EPYC), the refusal is one SqError naming vLLM's reason."""
+    from sq.calib.data import BUILTIN_PYDOC, eval_windows, load_tokenizer, read_corpus, tokenize_corpus
+
+    src = build(tmp_path / "src")
+    out = tmp_path / case
+    res = run_python(["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", preset, "--algo", "rtn", *flags],
                      timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     tokenizer = load_tokenizer(src)
@@ -320,9 +345,10 @@ def test_fp8_block_served_where_the_engine_has_its_kernel(engine, tmp_path):
     (result,) = compare_all([Case(out, "bfloat16")], windows, tokenizer(PROMPT)["input_ids"], python=engine,
                             timeout=900)
     if isinstance(result, SqError):
-        assert re.search(r"cannot serve \S+/fp8-block: .*(requires AMX tile support|Failed to find a kernel)",
-                         str(result)), str(result)
+        assert re.search(rf"cannot serve \S+/{case}: .*({refusal})", str(result)), str(result)
         return
     print(json.dumps(result.record()))
-    assert result.vllm.schemes == {"CompressedTensorsW8A8Fp8": 2 * 4}, result.vllm.schemes  # 2 layers x 4 fused
+    assert result.vllm.schemes == built["schemes"], result.vllm.quant_methods
+    for method, n in built.get("quant_methods", {}).items():
+        assert result.vllm.quant_methods.get(method) == n, result.vllm.quant_methods
     assert not result.failures(), result.failures()
