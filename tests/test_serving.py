@@ -318,27 +318,31 @@ def _moe128(root):
 
 # Presets vLLM's CPU build runs only where its kernel library has the kernel (AMX tiles): (case, model,
 # preset, sq.ptq flags, what vLLM must build, the refusal where it has no kernel).  Two layers each.
+MOE_BUILT = {"schemes": {"CompressedTensorsWNA16": 2 * 2}, "quant_methods": {"CompressedTensorsWNA16MoEMethod": 2}}
+MOE_REFUSAL = r"No WNA16 MoE backend supports|Failed to find a kernel"
 KERNEL_DEPENDENT = [
-    ("fp8-block", _llama128, "FP8_BLOCK", [], {"schemes": {"CompressedTensorsW8A8Fp8": 2 * 4}},
+    ("fp8-block", _llama128, "FP8_BLOCK", ["--algo", "rtn"], {"schemes": {"CompressedTensorsW8A8Fp8": 2 * 4}},
      r"requires AMX tile support|Failed to find a kernel"),
-    ("moe-w4a16", _moe128, "W4A16", ["--group-size", "64"],
-     {"schemes": {"CompressedTensorsWNA16": 2 * 2}, "quant_methods": {"CompressedTensorsWNA16MoEMethod": 2}},
-     r"No WNA16 MoE backend supports|Failed to find a kernel"),
+    ("moe-w4a16", _moe128, "W4A16", ["--algo", "rtn", "--group-size", "64"], MOE_BUILT, MOE_REFUSAL),
+    # the path MoE users run: 2 ranks, experts split between them (--ep 2), GPTQ
+    ("moe-gptq-ep2", _moe128, "W4A16", ["--algo", "gptq", "--group-size", "64", "--ep", "2", "--nsamples", "16",
+                                        "--seqlen", "128"], MOE_BUILT, MOE_REFUSAL),
 ]
 
 
 @pytest.mark.parametrize("case,build,preset,flags,built,refusal", KERNEL_DEPENDENT, ids=[k[0] for k in KERNEL_DEPENDENT])
 def test_served_where_the_engine_has_its_kernel(engine, tmp_path, case, build, preset, flags, built, refusal):
     """FP8_BLOCK at widths that are multiples of 128 (a random Llama, hidden 256) and a W4A16 MoE (a random
-    Qwen3-MoE, every layer's experts packed): vLLM's CPU build has their kernels only with AMX tiles (bf16).
+    Qwen3-MoE, every layer's experts packed; RTN, and GPTQ on 2 ranks with the experts split between them):
+    vLLM's CPU build has their kernels only with AMX tiles (bf16).
     Found by asking the engine: where it builds the layers (a Xeon with AMX) the output is served as
     transformers reads it; where it does not (an AMD EPYC), the refusal is one SqError naming vLLM's reason."""
     from sq.calib.data import BUILTIN_PYDOC, eval_windows, load_tokenizer, read_corpus, tokenize_corpus
 
     src = build(tmp_path / "src")
     out = tmp_path / case
-    res = run_python(["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", preset, "--algo", "rtn", *flags],
-                     timeout=300)
+    args = ["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", preset, *flags]
+    res = run_cli(args, 2, timeout=300) if "--ep" in flags else run_python(args, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     tokenizer = load_tokenizer(src)
     windows = eval_windows(tokenize_corpus(tokenizer, read_corpus(BUILTIN_PYDOC).text(tokenizer)), 4, 256)
