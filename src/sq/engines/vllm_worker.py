@@ -120,10 +120,12 @@ def _route_fp8_gemm() -> dict:
     same = bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())))
     used = "emulated" if enabled and same and emulated * 4 < onednn else "default"
     if used == "emulated":
-        def scaled_mm(*args, **kwargs):
+        def scaled_mm(a, *args, **kwargs):
+            if a.device.type != "cpu":  # a GPU's fp8 GEMM is not this probe's business
+                return original(a, *args, **kwargs)
             torch._C._set_mkldnn_enabled(False)
             try:
-                return original(*args, **kwargs)
+                return original(a, *args, **kwargs)
             finally:
                 torch._C._set_mkldnn_enabled(True)
 
