@@ -1,5 +1,5 @@
-"""The disk preflight (``sq.plan``): the prediction against what real jobs write, and the refusal that comes
-on every rank before the output folder is touched."""
+"""The disk preflight and ``sq.plan``: the prediction against what real jobs write, and the refusal that comes
+on every rank before the output folder is touched (the memory preflight: tests/test_footprint.py)."""
 
 from __future__ import annotations
 
@@ -111,17 +111,25 @@ def test_plan_predicts_what_the_job_then_reports(llama_ckpt, tmp_path, world, ar
     """``python -m sq.plan`` + the job's own arguments: the numbers the job's preflight then records, exactly,
     with no weight read and no process group."""
     out = tmp_path / "out"
-    planned = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(out), "--json", *args], timeout=300)
+    planned = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(out), "--json",
+                          "--nproc-per-node", str(world), *args], timeout=300)
     assert planned.returncode == 0, planned.stderr[-3000:]
     plan = json.loads(planned.stdout.strip().splitlines()[-1])
     assert plan["fits"] and not out.exists()
     res = _ptq(llama_ckpt, out, world, *args)
     assert res.returncode == 0, res.stderr[-3000:]
-    disk = json.loads((out / "sq_report.json").read_text())["disk"]
+    report = json.loads((out / "sq_report.json").read_text())
+    disk, memory = report["disk"], report["memory"]
     assert plan["predicted_output_bytes"] == disk["predicted_output_bytes"], (plan, disk)
     assert plan["predicted_state_bytes"] == disk["predicted_state_bytes"], (plan, disk)
+    # the same prediction: the plan's is the largest rank's, each rank's own is in the report (the base is each
+    # process's own, measured)
+    for part in ("root", "chain", "final"):
+        assert plan["memory"][part] == memory[part], (part, plan["memory"], memory)
+    grown = max(r["predicted_peak_bytes"] - r["base_rss_bytes"] for r in report["ranks"])
+    assert plan["memory"]["predicted_peak_bytes"] - plan["memory"]["base"] == grown, (plan["memory"], report["ranks"])
     human = run_python(["sq.plan", "--model", str(llama_ckpt), "--output", str(tmp_path / "o2"), *args], timeout=300)
-    assert human.returncode == 0 and "verdict        fits" in human.stdout, human.stdout + human.stderr[-2000:]
+    assert human.returncode == 0 and "verdict          fits" in human.stdout, human.stdout + human.stderr[-2000:]
 
 
 def test_plan_refuses_what_the_disk_cannot_hold(llama_ckpt, small_disk):

@@ -1,9 +1,12 @@
 """``python -m sq.plan``: what a ``sq.ptq`` job will need, predicted before launching it.
 
-Takes sq.ptq's own arguments, reads config.json, the index and the safetensors headers (the model is
-built on the meta device, as every rank of the job builds it), and prints the job's disk preflight
-(``sq.pipeline.disk``): the checkpoint, the resume state, the free space where ``--output`` lives, a
-verdict.  No process group, no weight read.  Memory and time are not predicted yet.
+Takes sq.ptq's own arguments plus the launch (``--nproc-per-node``, ``--nnodes``, ``--device``), reads
+config.json, the index and the safetensors headers (the model is built on the meta device, as every rank
+of the job builds it), and prints the job's preflights: each rank's peak memory by part
+(``sq.pipeline.footprint``) against the node's memory (this machine's available memory, or
+``--host-memory`` / ``--gpu-memory`` for another), and the disk (``sq.pipeline.disk``): the checkpoint, the
+resume state, the free space where ``--output`` lives.  No process group, no weight read.  Time is not
+predicted yet.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ __all__ = ["build_parser", "plan_job", "main"]
 
 DESCRIPTION = """\
 Predict what a sq.ptq job needs before launching it. Takes sq.ptq's own arguments (prefix
-the job's command line with python -m sq.plan), reads only config.json, the index and the
-safetensors headers, and prints the disk the checkpoint and the resume state will take and the
-free space where --output lives; exits 2 with the job's own refusal when it would not fit.
-Memory and time are not predicted yet."""
+the job's command line with python -m sq.plan) and the launch, reads only config.json, the index
+and the safetensors headers, and prints each rank's peak memory by part against the node's memory,
+the disk the checkpoint and the resume state will take and the free space where --output lives;
+exits 2 with the job's own refusals when it would not fit. Time is not predicted yet."""
 
 
 def build_parser():
@@ -31,21 +34,38 @@ def build_parser():
     p.prog = "python -m sq.plan"
     p.description = DESCRIPTION
     p.add_argument("--json", action="store_true", help="print the plan as one JSON line (for schedulers)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks per node, as torchrun's (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, metavar="K", help="nodes, as torchrun's (default 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the ranks compute: cpu (host memory) or cuda (one GPU per rank; default cpu)")
+    p.add_argument("--host-memory", type=float, default=None, metavar="GIB",
+                   help="the memory a node has for the job (default: this machine's available memory)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="--device cuda: each GPU's memory (default: this machine's first GPU's free memory)")
     return p
 
 
-def plan_job(cfg) -> tuple[dict, list[str]]:
-    """The prediction ``sq.ptq`` makes at start, without a process group or any weight read.  The disk a
-    job needs does not depend on its ranks (each writes its share into the one output folder)."""
+def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cpu", host_memory: float | None = None,
+             gpu_memory: float | None = None) -> tuple[dict, list[str]]:
+    """The predictions ``sq.ptq`` makes at start, without a process group or any weight read: each rank's memory
+    (``sq.pipeline.footprint``; this process's own memory stands for a rank's base) and the job's disk (which
+    does not depend on the ranks: each writes its share into the one output folder).  ``host_memory`` /
+    ``gpu_memory`` (GiB): a node's / a GPU's memory where the job will run (default: this machine's)."""
     from sq.errors import SqError
     from sq.load.loader import plan_load
     from sq.load.meta import build_skeleton
+    from sq.memory import rss_bytes
     from sq.parallel.fsdp import main_dtype
+    from sq.pipeline.footprint import memory_problems, predict_memory
+    from sq.pipeline.job import auto_ep
     from sq.pipeline.targets import plan_targets
     from sq.pipeline.weights import CheckpointWeights
     from sq.quant.algorithms import make_algorithm
     from sq.resolve import resolve_model
 
+    if nproc_per_node < 1 or nnodes < 1:
+        raise SqError(f"--nproc-per-node and --nnodes must be >= 1, got {nproc_per_node} and {nnodes}")
+    world = nproc_per_node * nnodes
     assigner = cfg.assigner()
     src = resolve_model(cfg.model)
     if not isinstance(src, Path):
@@ -53,35 +73,59 @@ def plan_job(cfg) -> tuple[dict, list[str]]:
                       "(download it first: sq.ptq does, on rank 0)")
     model = build_skeleton(src, trust_remote_code=cfg.trust_remote_code)
     load = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
-    targets = plan_targets(model, assigner, CheckpointWeights(model, load, src, torch.device("cpu")), 1)
+    targets = plan_targets(model, assigner, CheckpointWeights(model, load, src, torch.device("cpu")), world)
     weight_dtype = main_dtype(targets.blocks[0][1]) if targets.blocks else None
     algo = make_algorithm(cfg.algo)
+    ep = cfg.ep if cfg.ep is not None else auto_ep(model, world, algo)
     calibrated = cfg.needs_data(assigner)
-    # the calibration dtype is measured at start (sq.probe): float32 is the larger chain
-    chain_dtype = weight_dtype if cfg.calib_dtype == "model" and weight_dtype else torch.float32
+    # the calibration dtype is measured at start on a CPU (sq.probe): float32 is the larger; a GPU keeps the model's
+    half = cfg.calib_dtype == "model" or (device == "cuda" and cfg.calib_dtype == "auto")
+    chain_dtype = weight_dtype if half and weight_dtype else torch.float32
     need = disk_need(cfg, model, targets, weight_dtype, src, calibrated=calibrated, chain_dtype=chain_dtype,
                      fp_chain=algo.fp_chain)
     problems, facts = disk_problems(Path(cfg.output), need["predicted_output_bytes"] + need["predicted_state_bytes"])
+    memory = predict_memory(model, targets, algo, base=rss_bytes(), world=world, ep=ep, nsamples=cfg.nsamples,
+                            seqlen=cfg.seqlen, calibrated=calibrated, compute_dtype=chain_dtype,
+                            weight_dtype=weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts, device=device,
+                            bookkeeping=cfg.bookkeeping)
+    stated = gpu_memory if device == "cuda" else host_memory
+    mem_problems, mem_facts = memory_problems(
+        memory, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),
+        where=None if stated is None else f"--{'gpu' if device == 'cuda' else 'host'}-memory")
     quantized = sum(len(ls) for ls in targets.linears)
     plan = {"model": str(src), "algo": cfg.algo.name, "quantized_linears": quantized,
             "experts_modules": sum(len(es) for es in targets.experts), "blocks": len(targets.blocks),
-            "chain_dtype": str(chain_dtype).removeprefix("torch."), **need, **facts, "fits": not problems}
-    return plan, problems
+            "world": world, "nproc_per_node": nproc_per_node, "ep": ep,
+            "chain_dtype": str(chain_dtype).removeprefix("torch."), **need, **facts,
+            "memory": {**memory, **mem_facts}, "fits": not problems and not mem_problems}
+    return plan, mem_problems + problems
 
 
 def _print(plan: dict) -> None:
-    free = plan.get("free_bytes")
+    from sq.pipeline.footprint import PARTS
+
+    free, m = plan.get("free_bytes"), plan["memory"]
+    unit = "GPU" if m["device"] == "cuda" else "host"
+    avail = m.get("available_bytes")
     lines = [
         f"sq.plan: {plan['model']} -- {plan['quantized_linears']} Linears and {plan['experts_modules']} experts modules "
-        f"quantized over {plan['blocks']} blocks, --algo {plan['algo']}",
+        f"quantized over {plan['blocks']} blocks, --algo {plan['algo']}, {plan['world']} rank(s) "
+        f"({plan['nproc_per_node']} per node), --ep {plan['ep']}",
+        f"memory per rank ({unit}{'; base is host memory' if unit == 'GPU' else ''}):",
+        f"  base           {m['base'] / GiB:9.3f} GiB  (a rank's process before it loads: this one's, measured)",
+        *(f"  {k:<14} {m[k] / GiB:9.3f} GiB" for k in PARTS),
+        f"  final          {m['final'] / GiB:9.3f} GiB  (the root gathered whole at the end; rank 0 holds more)",
+        f"  peak           {m['predicted_peak_bytes'] / GiB:9.3f} GiB  (rank 0: {m['predicted_peak_rank0_bytes'] / GiB:.3f} GiB)",
+        f"  {'one GPU' if unit == 'GPU' else 'one node'} needs {m['need_bytes'] / GiB:7.3f} GiB, "
+        + (f"has {avail / GiB:.3f} GiB ({m['where']})" if avail is not None else "its memory unknown (--gpu-memory)"),
+        "disk:",
         f"  checkpoint     {plan['predicted_output_bytes'] / GiB:9.3f} GiB",
         f"  resume state   {plan['predicted_state_bytes'] / GiB:9.3f} GiB  (chain files at their peak, "
         f"{plan['chain_dtype']})",
         f"  disk needed    {plan['need_bytes'] * SLACK / GiB:9.3f} GiB  (with {SLACK - 1:.0%} for the index, report "
         "and logs)",
         f"  free there     {free / GiB:9.3f} GiB" if free is not None else f"  free there     unknown ({plan['error']})",
-        f"  verdict        {'fits' if plan['fits'] else 'does not fit'}",
-        "  memory, time   not predicted yet",
+        f"verdict          {'fits' if plan['fits'] else 'does not fit'}  (time is not predicted yet)",
     ]
     print("\n".join(lines))
 
@@ -95,7 +139,8 @@ def main(argv=None) -> int:
         import json
 
         a = build_parser().parse_args(argv)
-        plan, problems = plan_job(config_from(a))
+        plan, problems = plan_job(config_from(a), nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, device=a.device,
+                                  host_memory=a.host_memory, gpu_memory=a.gpu_memory)
         print(json.dumps(plan)) if a.json else _print(plan)
         if problems:
             raise SqError(problems)

@@ -22,7 +22,7 @@ from torch import nn
 from sq.anatomy import EXPERT_PARAMS
 from sq.pipeline.search import stored_tensors
 
-__all__ = ["predict_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "size", "GiB", "SLACK"]
+__all__ = ["predict_output_bytes", "block_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "size", "GiB", "SLACK"]
 
 GiB = 1 << 30
 SLACK = 1.02  # index, config, report, picture and logs beside the checkpoint: under 1% on the demo (tests/test_plan.py)
@@ -53,6 +53,24 @@ def _header(name: str) -> int:
 
 def _quantized_bytes(prefix: str, scheme, out_features: int, in_features: int, dtype: torch.dtype) -> int:
     return sum(n + _header(f"{prefix}.{suffix}") for suffix, n in _stored(scheme, out_features, in_features, dtype))
+
+
+def block_output_bytes(targets, b: int, weight_dtype: torch.dtype | None) -> int:
+    """Block ``b``'s safetensors bytes (its quantized Linears and experts as their schemes store them, the rest
+    as they are): what the ranks write for it, together."""
+    dtype = weight_dtype or torch.bfloat16
+    _, block = targets.blocks[b]
+    total, quantized = 0, set()
+    for lin in targets.linears[b]:
+        quantized.add(id(lin.module.weight))
+        total += sum(n for _, n in _stored(lin.scheme, lin.module.out_features, lin.module.in_features, dtype))
+    for ex in targets.experts[b]:
+        for name in EXPERT_PARAMS:
+            p = ex.module._parameters[name]
+            quantized.add(id(p))
+            n_experts, rows, cols = (int(d) for d in p.shape)
+            total += n_experts * sum(n for _, n in _stored(ex.scheme, rows, cols, dtype))
+    return total + sum(_nbytes(p) for p in block.parameters() if id(p) not in quantized)
 
 
 def predict_output_bytes(model: nn.Module, targets, weight_dtype: torch.dtype | None,

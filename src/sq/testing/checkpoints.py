@@ -542,3 +542,45 @@ class CheckpointFactory(Mapping):
 
     def __len__(self) -> int:
         return len(FIXTURES)
+
+
+def build_sparse(out_dir: Path, model_type: str, *, dtype: torch.dtype = torch.bfloat16, tokenizer: bool = True,
+                 **config) -> Path:
+    """A checkpoint of any size that takes no disk: one safetensors file whose header is real (every tensor of
+    ``model_type``'s model built on meta from ``config``, under the model's own names: the fused-experts layout)
+    and whose data is a hole (``truncate``: reads give zeros), with ``config.json`` and, with ``tokenizer``,
+    the tiny tokenizer (its vocabulary is ``vocab_size``'s only up to a few thousand).  For what reads only
+    headers (planning, preflights); a job that fills it reads zeros.  A tied lm_head is not stored."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sq.synthetic import build_tokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.for_model(model_type, **config)
+    cfg.dtype = dtype
+    cfg.save_pretrained(out_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    names = {str(k): v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    tag = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dtype]
+    header, at = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in names.items():
+        n = t.numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": tag, "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(out_dir / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        f.truncate(8 + len(raw) + at)
+    if tokenizer:
+        build_tokenizer(out_dir, cfg.vocab_size)
+    return out_dir
+
+
+def build_sparse_llama(out_dir: Path, *, dtype: torch.dtype = torch.bfloat16, **config) -> Path:
+    """A dense Llama of any size that takes no disk (:func:`build_sparse`), tied embeddings, the tiny tokenizer."""
+    return build_sparse(out_dir, "llama", dtype=dtype, **_text_kwargs(config, dict(_TEXT, tie_word_embeddings=True)))

@@ -220,6 +220,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 @register
 class AWQAlgorithm(Algorithm):
+    memory_knob = "AWQ holds every mapping's inputs for this rank's samples: fewer --nsamples, or more ranks"
     config_type = AWQConfig
     calibrated = True
     expert_parallel = False
@@ -461,6 +462,18 @@ class AWQAlgorithm(Algorithm):
         if self.gptq is not None:
             return self.gptq.solve_experts(work, eprefix, ex, pname, local, first, scheme)
         return super().solve_experts(work, eprefix, ex, pname, local, first, scheme)
+
+    def memory(self, facts) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Held: the inputs of every mapping's parent for all of this rank's tokens (the search replays them
+        through the parent, one buffer per calibration forward, as a forward would), the parent's
+        full-precision outputs, and the search's copies of the widest mapping's balanced weights (whole,
+        float32: the originals, the scaled candidate, its quantized values); GPTQ's own parts under
+        --awq-gptq."""
+        per = facts.step_tokens * facts.compute_bytes
+        cache = [(per * n, facts.steps) for n, _ in facts.block.accumulators] + [(per * facts.hidden, facts.steps)]
+        cache.append((4 * max((n * rows for n, rows in facts.block.accumulators), default=0), 3))
+        held, solve = self.gptq.memory(facts) if self.gptq is not None else ([], [])
+        return cache + held, solve
 
     def release(self, work: BlockWork) -> None:
         if self.gptq is not None:

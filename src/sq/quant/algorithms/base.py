@@ -56,6 +56,9 @@ class Algorithm:
     # what --calib-dtype auto may trade float32 for where the probe finds the model's half dtype faster:
     # "model" (the forwards in it) or "mixed" (float32 weights and residuals, autocast matmuls; sq.probe)
     half_forwards: ClassVar[str] = "model"
+    # what shrinks ``memory``'s part, for the memory preflight's refusal
+    memory_knob: ClassVar[str] = "--algo rtn holds nothing per block"
+    rank_dependent_memory: ClassVar[bool] = False  # ``memory`` differs by rank (a plan predicts every rank)
 
     def __init__(self, config: AlgoConfig):
         self.config = config
@@ -122,6 +125,14 @@ class Algorithm:
 
     def release(self, work: BlockWork) -> None:
         """Free the block's statistics."""
+
+    def memory(self, facts) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The buffers this algorithm adds to a block beyond the pipeline's own (the block's shard and gathered
+        copy, the solve's rows, two chains, a forward's activations), as ``(bytes, count)`` pairs (the heap
+        keeps the small ones: ``sq.pipeline.footprint``): those held through the block's forwards, and those
+        only its solve allocates (never beside a forward's activations).  ``facts``: ``MemoryFacts``.  RTN
+        adds nothing."""
+        return [], []
 
     def next_inputs(self, work: BlockWork) -> list | None:
         """The next block's inputs where the algorithm computed them (AWQ on the full-precision chain: its

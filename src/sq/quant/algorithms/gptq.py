@@ -84,6 +84,10 @@ class GPTQAlgorithm(Algorithm):
     config_type = GPTQConfig
     calibrated = True
     error_metric = "output (through H)"
+    rank_dependent_memory = True  # each stack is solved by its owner
+    memory_knob = ("GPTQ's float64 Hessians and its sweep grow with the square of each Linear's input width: a "
+                   "dense block's are whole on every rank, an MoE's expert Hessians split by --ep over more ranks; "
+                   "--algo rtn holds none")
 
     def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
         """GPTQ's column sweep quantizes each row against scales of that row: per-channel and per-group
@@ -122,6 +126,38 @@ class GPTQAlgorithm(Algorithm):
             g.nsamples = int(n.item())
         work.state["counting"] = counting
         work.state["calibs"] = {id(c.experts): c for c in calibs}
+
+    def memory(self, facts) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Held: the block's float64 Hessians (one per distinct input; experts: one shared input Hessian under
+        calibrate-all, else one per owned expert, and one down-projection Hessian per owned expert), and
+        GPTAQ's cross terms beside them (with one step's full-precision inputs to every Linear).  The solve:
+        on more than one rank, the whole rows of the stacks this rank solves (``_owners``: the same plan the
+        solve makes), gathered, and what it returns for them; the largest of its solves' prepared Hessian
+        (float64), float32 factor and inverse, and its stack of rows (float32, permuted, the copy, the codes,
+        the dequantized rows); the experts' stacked solves likewise."""
+        b, cb, wb = facts.block, facts.compute_bytes, facts.weight_bytes
+        hess = [(8 * n * n, 1) for n, _ in b.accumulators]
+        for n, h, i in b.experts_modules:
+            own = facts.owned_experts(n)
+            hess += [(8 * h * h, 1 if facts.calibrate_all_experts else own), (8 * i * i, own)]
+        held = [(n, k * (2 if self.pairs_chains else 1)) for n, k in hess]
+        if self.pairs_chains:
+            held += [(facts.step_tokens * n * cb, 1) for n, _ in b.accumulators]
+        stacks = list(b.accumulators)  # (width, rows): a stack of the Linears reading one input
+        owners = _owners([_solve_cost(n, rows) for n, rows in stacks], facts.world) if facts.world > 1 else None
+        solve = []
+        if owners is not None:
+            stacks = [st for st, o in zip(stacks, owners) if o == facts.rank]
+            solve += [(n * rows * wb, 1) for n, rows in stacks] + [(n * rows * (wb + 1), 1) for n, rows in stacks]
+        jobs = [(n, n * rows) for n, rows in stacks]
+        for n, h, i in b.experts_modules:
+            own = facts.owned_experts(n)
+            jobs += [(h, min(max(EXPERT_STACK_ELEMS, 2 * i * h), own * 2 * i * h)), (i, min(max(EXPERT_STACK_ELEMS, i * h),
+                                                                                            own * i * h))]
+        if jobs:
+            solve += max(([(8 * w * w, 1), (4 * w * w, 2), (4 * e, 2), (2 * e, 2), (e, 1)] for w, e in jobs),
+                         key=lambda bufs: sum(n * k for n, k in bufs))
+        return held, solve
 
     def _rows(self, g: GPTQ | None, w: torch.Tensor, scheme, name: str, stats=None, row_offset: int = 0) -> Solved:
         """``stats``: the weight's all-reduced cross-row statistics (a list: one per stacked weight)."""

@@ -3,6 +3,8 @@ the rounding and clipping of the rows / experts it holds (the maths: ``sq.quant.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sq.load.fill import local_box
@@ -25,6 +27,8 @@ class SignRoundAlgorithm(Algorithm):
     # its signed gradients flow through the block's forward: bf16 residual streams cost perplexity
     # (docs/benchmarks.md, "SignRound and the calibration dtype"); autocast matmuls do not
     half_forwards = "mixed"
+    memory_knob = ("SignRound holds both chains again and the tuned block: fewer --nsamples, more ranks, or a "
+                   "smaller --batch-size")
 
     def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
         problems = self.ep_refusals(ep)
@@ -58,6 +62,22 @@ class SignRoundAlgorithm(Algorithm):
             with unsharded(work.block):
                 work.state["tuning"] = tune_block(work.block, list(slots.values()), work.inputs, work.fp_out,
                                                   work.nsamples, self.config, work.seed, work.index, work.autocast)
+
+    def memory(self, facts) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Its tuning loop (in place of a forward's activations): both chains again, each concatenated; the
+        tuned rounding of this rank's rows with its gradient and the best one kept (float32); the quantized
+        weights gathered whole for each step's forward; what one step's backward keeps of its forward
+        (float32 under autocast)."""
+        from sq.pipeline.footprint import ACT_HIDDEN, ACT_WIDE
+
+        b, cb = facts.block, facts.compute_bytes
+        share = min(math.ceil(self.config.batch_size / facts.world), facts.samples)
+        saved = 2 * share * facts.seqlen * 4
+        tuned = [(math.ceil(o / facts.world) * i * 4, 3) for i, o in b.linears]
+        tuned += [(math.ceil(n * 3 * h * i / facts.world) * 4, 3) for n, h, i in b.experts_modules]
+        gathered = [(i * o * cb, 1) for i, o in b.linears] + [(n * 3 * h * i * cb, 1) for n, h, i in b.experts_modules]
+        return [], [(facts.tokens * facts.hidden * cb, 2), *tuned, *gathered,
+                    (saved * facts.hidden, ACT_HIDDEN), (saved * b.widest, ACT_WIDE)]
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         slot = work.state["slots"][linear.name]

@@ -1,0 +1,301 @@
+"""The memory a job's ranks need, predicted before any weight is read (``sq.ptq``'s preflight, ``python -m sq.plan``).
+
+A rank's peak is counted in parts, each from the model on the meta device and the job's arguments:
+
+    base         the process as it stands at the preflight (interpreter, torch, the model on meta,
+                 the tokenizer and corpus, the process group): measured, not modelled
+    root         this rank's shard of the parameters outside the decoder blocks (embeddings, final
+                 norm, lm_head), resident for the whole run
+    block        the block in flight: this rank's shard of it, the copy FSDP2 gathers for its
+                 forwards (in the compute dtype; under ``--ep`` only this rank's experts), the copy
+                 of this rank's rows a solve works on and what it returns; the previous block's
+                 files, written in the background meanwhile (tensors, and their serialized bytes)
+    chain        the calibration chain: this rank's tokens x hidden in the compute dtype: inputs,
+                 outputs and the copy the resume cache serializes (each twice with a full-precision
+                 chain)
+    activations  one calibration forward's intermediate tensors (``CALIB_BATCH`` samples)
+    algorithm    what the algorithm holds through the block (``Algorithm.memory``: GPTQ's float64
+                 Hessians, AWQ's cached inputs) and what its solve allocates (GPTQ's factorization
+                 and sweep, SignRound's tuning loop), which never coexists with a forward's
+                 activations: the block's peak is the larger of the two phases
+    heap         freed buffers the C heap keeps between blocks (``sq.memory.tune_heap``): a calibrated
+                 job trims it every few blocks or once it holds ``HEAP_KEEP`` more (``sq.memory.HeapTrim``),
+                 others after every block, down to glibc's trim threshold; so up to the smaller of that and
+                 the block's buffers small enough to come from the heap (under ``HEAP_MMAP_THRESHOLD``)
+                 waits there when the next block peaks
+
+    final        the end: the root tensors gathered whole (every rank), kept and serialized for the
+                 root shard file (rank 0)
+
+and the peak is ``base + root + max(the largest block's phase, final)``.  On a GPU the parts after ``base`` are device memory.  The preflight
+refuses a job whose ranks on one node would need more than the node has available
+(``MemAvailable``, a cgroup's limit) or a GPU more than it has free, naming the knobs that shrink
+each part; the report keeps the prediction beside each rank's measured peak
+(``sq_report.json`` ``memory``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sq.anatomy import EXPERT_PARAMS, experts_modules, partner_groups
+from sq.memory import HEAP_KEEP, HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
+from sq.pipeline.disk import block_output_bytes, size
+from sq.quant.forward import CALIB_BATCH
+
+__all__ = ["BlockShape", "MemoryFacts", "predict_memory", "memory_problems", "available_host_bytes", "ACT_HIDDEN", "ACT_WIDE",
+           "Buffers"]
+
+ACT_HIDDEN = 6  # a calibration forward's tensors of the hidden width per token (norms, residuals, q/o, outputs)
+ACT_WIDE = 4  # ... of the widest width (gate, up, their product, the activation)
+
+
+def _bytes(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype or torch.float32).element_size()
+
+
+Buffers = list[tuple[int, int]]  # (bytes of one buffer, how many)
+
+
+def _sum(buffers: Buffers) -> int:
+    return sum(n * k for n, k in buffers)
+
+
+def _small(buffers: Buffers) -> int:
+    """The bytes in buffers the C heap serves (and keeps when freed); larger ones are mapped and unmapped."""
+    return sum(n * k for n, k in buffers if n < HEAP_MMAP_THRESHOLD)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One decoder block's sizes, from the model on meta."""
+
+    params: tuple[tuple[int, bool], ...]  # each parameter's elements, and whether it is in an experts module
+    linears: tuple[tuple[int, int], ...]  # each quantized Linear's (in, out)
+    accumulators: tuple[tuple[int, int], ...]  # each distinct input the quantized Linears read (fused partners share
+    # one): its width and the rows of the Linears reading it
+    experts_modules: tuple[tuple[int, int, int], ...]  # each quantized experts module's (experts, hidden, intermediate)
+    widest: int  # the widest activation per token (the largest Linear or expert width)
+
+    @property
+    def dense(self) -> int:
+        return sum(n for n, e in self.params if not e)
+
+    @property
+    def experts(self) -> int:
+        return sum(n for n, e in self.params if e)
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    """What an algorithm's own part reads (``Algorithm.memory``)."""
+
+    block: BlockShape
+    samples: int  # this rank's calibration samples (0: the job reads no data)
+    seqlen: int
+    hidden: int
+    compute_bytes: int  # bytes per element of the forwards' dtype
+    weight_bytes: int
+    world: int
+    ep: int
+    calibrate_all_experts: bool
+    rank: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """This rank's calibration tokens."""
+        return self.samples * self.seqlen
+
+    @property
+    def steps(self) -> int:
+        """Calibration forwards per pass over this rank's samples."""
+        return math.ceil(self.samples / CALIB_BATCH)
+
+    @property
+    def step_tokens(self) -> int:
+        """The tokens of one calibration forward."""
+        return min(self.samples, CALIB_BATCH) * self.seqlen
+
+    @property
+    def chain(self) -> Buffers:
+        """One copy of this rank's calibration chain (a block's inputs or outputs), one buffer per forward."""
+        return [(self.step_tokens * self.hidden * self.compute_bytes, self.steps)] if self.samples else []
+
+    def owned_experts(self, n: int) -> int:
+        return math.ceil(n / self.ep)
+
+
+def block_shape(block: nn.Module, linears, experts) -> BlockShape:
+    """``linears`` / ``experts``: the block's quantization targets (``sq.pipeline.targets``)."""
+    in_experts = {id(p) for _, ex in experts_modules(block) for p in ex.parameters()}
+    params = tuple((p.numel(), id(p) in in_experts) for p in block.parameters())
+    shapes = {lin.name: (lin.module.in_features, lin.module.out_features) for lin in linears}
+    accumulators = tuple((shapes[g[0]][0], sum(shapes[n][1] for n in g)) for g in partner_groups(list(shapes)))
+    ex_shapes = []
+    for ex in experts:
+        gu, down = (ex.module._parameters[n] for n in EXPERT_PARAMS)
+        ex_shapes.append((int(down.shape[0]), int(gu.shape[-1]), int(down.shape[-1])))
+    widest = max([max(s) for s in shapes.values()] + [2 * s[2] for s in ex_shapes] + [1])
+    return BlockShape(params, tuple(shapes.values()), accumulators, tuple(ex_shapes), widest)
+
+
+def _block_buffers(shape: BlockShape, f: MemoryFacts, resident: bool) -> Buffers:
+    """The block in flight: this rank's shard of each parameter (unless resident); FSDP2's all-gather of the
+    unit in the compute dtype, one flat buffer (under --ep the experts stay out of it: each rank runs its own
+    experts, cast where the compute dtype differs, their rows gathered where dp splits them); each Linear's
+    rows a solve copies, and what it returns (codes and dequantized rows); the owned experts' likewise."""
+    wb, cb, world, ep = f.weight_bytes, f.compute_bytes, f.world, f.ep
+    out: Buffers = [] if resident else [(math.ceil(n / world) * wb, 1) for n, _ in shape.params]
+    experts = shape.experts
+    gathered = shape.dense + (experts if ep == 1 else 0)
+    out.append((gathered * cb, 1))
+    if ep > 1 and experts and (world > ep or cb != wb):
+        out.append((math.ceil(experts / ep) * cb, 1))
+    out += [(math.ceil(o / world) * i * (2 * wb + 1), 1) for i, o in shape.linears]
+    if experts:  # solved one projection at a time: gate_up's (2/3 of an expert) codes and rows, and its codes stacked
+        out.append((math.ceil(2 * experts / 3 / world) * (wb + 2), 1))
+    return out
+
+
+def predict_memory(model: nn.Module, targets, algo, *, base: int, world: int, ep: int, nsamples: int, seqlen: int,
+                   calibrated: bool, compute_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
+                   calibrate_all_experts: bool = True, device: str = "cpu", resident: bool = False,
+                   rank: int | None = None, bookkeeping: bool = True) -> dict:
+    """Rank ``rank``'s predicted peak and its parts (bytes); None: the largest over the ranks.  ``resident``:
+    the weights are in memory already (the Python API's model), so in ``base``: no root or shard to fill."""
+    if rank is None:
+        every = [predict_memory(model, targets, algo, base=base, world=world, ep=ep, nsamples=nsamples, seqlen=seqlen,
+                                calibrated=calibrated, compute_dtype=compute_dtype, weight_dtype=weight_dtype,
+                                calibrate_all_experts=calibrate_all_experts, device=device, resident=resident, rank=r,
+                                bookkeeping=bookkeeping)
+                 for r in range(world if algo.rank_dependent_memory else 1)]
+        return max(every, key=lambda m: m["predicted_peak_rank0_bytes"])
+    wb, cb = _bytes(weight_dtype), _bytes(compute_dtype or weight_dtype)
+    hidden = int(model.get_input_embeddings().weight.shape[-1])
+    in_blocks = {id(p) for _, blk in targets.blocks for p in blk.parameters()}
+    root_params = {id(p): p for p in model.parameters() if id(p) not in in_blocks}  # tied once
+    root_full = sum(p.numel() for p in root_params.values()) * wb
+    root = 0 if resident else math.ceil(root_full / world)
+    samples = math.ceil(nsamples / world) if calibrated else 0
+    worst, parts, cache = -1, {}, {}
+    for b, (prefix, blk) in enumerate(targets.blocks):
+        shape = block_shape(blk, targets.linears[b], targets.experts[b])
+        key = (shape, tuple(id(l.scheme) for l in targets.linears[b]), tuple(id(e.scheme) for e in targets.experts[b]))
+        if key in cache:  # repeated blocks: the same prediction
+            continue
+        facts = MemoryFacts(shape, samples, seqlen, hidden, cb, wb, world, ep, calibrate_all_experts, rank)
+        step = facts.step_tokens
+        held, solve = algo.memory(facts) if calibrated else ([], [])
+        # the previous block's files, written in the background while this one computes: this rank's share of
+        # its tensors, and the same serialized in memory (sq.export.writer.write_shard)
+        written = math.ceil(block_output_bytes(targets, b, weight_dtype) / world)
+        block = _block_buffers(shape, facts, resident) + [(written, 1), (written, 1)]
+        # inputs and outputs, of the full-precision chain too where the algorithm keeps it, and the chain cache
+        # the background writer serializes for a resume (sq.resume)
+        copies = 2 + bool(bookkeeping)
+        chain = facts.chain * (copies * (2 if algo.fp_chain else 1))
+        acts = [(step * hidden * cb, ACT_HIDDEN), (step * shape.widest * cb, ACT_WIDE)] if step else []
+        # a calibration forward's transients and a solve's never coexist: the block's peak is the larger phase
+        phase = "solve" if _sum(solve) > _sum(acts) else "forward"
+        p = {"block": _sum(block), "chain": _sum(chain), "activations": _sum(acts) if phase == "forward" else 0,
+             "algorithm": _sum(held) + (_sum(solve) if phase == "solve" else 0)}
+        # trimmed every few blocks in a calibrated job, after every block otherwise (sq.pipeline.blocks: HeapTrim),
+        # where glibc keeps up to its trim threshold: the small buffers of the calibration's churn (a block's
+        # shards and files come back the same size in the next block, which reuses them)
+        small = max(_small(acts), _small(solve)) + _small(chain) + _small(held)
+        p["heap"] = min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD, small)
+        cache[key] = total = sum(p.values())
+        if total > worst:
+            worst, parts = total, {**p, "phase": phase}
+    block_phase = max(worst, 0)
+    # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
+    # keeping them all for the root shard file and serializing that file in memory
+    final, final0 = 2 * root_full, 3 * root_full
+    return {"device": device, "rank": rank, "algorithm_knob": algo.memory_knob, "base": base, "root": root,
+            **{"phase": "forward", "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0, **parts}, "final": final,
+            "predicted_peak_bytes": base + root + max(block_phase, final),  # every rank but 0
+            "predicted_peak_rank0_bytes": base + root + max(block_phase, final0)}
+
+
+def available_host_bytes() -> tuple[int | None, str]:
+    """What this node can still give: ``MemAvailable``, or less where a cgroup (v2 or v1) limits the job."""
+    avail, where = None, "MemAvailable"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = open(limit_f).read().strip()
+            usage = int(open(usage_f).read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < (1 << 60):
+            left = int(limit) - usage
+            if avail is None or left < avail:
+                avail, where = left, f"the cgroup limit ({limit_f})"
+        break
+    return avail, where
+
+
+def _local_world() -> int:
+    try:
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return 1
+
+
+# what shrinks each part, for the refusal
+KNOBS = {
+    "root": "more ranks (the root is sharded over them)",
+    "block": "more ranks, or --ep for an MoE (a block is sharded over the ranks, experts split by --ep)",
+    "chain": "fewer --nsamples or a shorter --seqlen, more ranks (each holds its share of the samples), or "
+             "--calib-dtype model (a half-precision chain)",
+    "activations": "a shorter --seqlen",
+    "heap": "MALLOC_MMAP_THRESHOLD_=65536 in the job's environment (freed buffers go back to the system at once)",
+}
+PARTS = ("root", "block", "chain", "activations", "algorithm", "heap")
+
+
+def memory_problems(pred: dict, *, local_world: int | None = None, started: bool = True,
+                    available: int | None = None, where: str | None = None) -> tuple[list[str], dict]:
+    """Refusal when the ranks of one node (``LOCAL_WORLD_SIZE``) would need more host memory than the node has,
+    or one GPU more than it has free; the numbers for the report.
+
+    ``started``: the ranks are running (``sq.ptq``'s preflight), so each one's base is in use already and the
+    node needs each rank's growth beyond it; else (``sq.plan``) the whole peaks.  ``available``: the bytes
+    the node (a GPU, when the prediction is a GPU's) can give; None: this machine's, measured now."""
+    local_world = local_world or _local_world()
+    gpu = pred["device"] == "cuda"
+    peak, peak0 = pred["predicted_peak_bytes"], pred["predicted_peak_rank0_bytes"]
+    if gpu:  # the parts after base are device memory, one GPU per rank
+        need = peak0 - pred["base"]
+        if available is None and torch.cuda.is_available():
+            available, where = torch.cuda.mem_get_info()[0], "the GPU's free memory"
+        what = "one GPU"
+    else:
+        held = pred["base"] if started else 0
+        need = (local_world - 1) * (peak - held) + (peak0 - held)
+        if available is None:
+            available, where = available_host_bytes()
+        what = f"the {local_world} rank(s) of one node"
+    where = where or "the stated memory"
+    biggest = max(PARTS, key=lambda k: pred.get(k, 0))
+    knob = pred["algorithm_knob"] if biggest == "algorithm" else KNOBS[biggest]
+    facts = {"need_bytes": need, "available_bytes": available, "where": where, "local_ranks": local_world}
+    if available is None or need <= available:
+        return [], facts
+    parts = ", ".join(f"{k} {size(pred[k])}" for k in PARTS if pred.get(k))
+    held = f" beyond the {size(pred['base'])} each holds now" if started and not gpu else ""
+    return [f"{'GPU' if gpu else 'host'} memory: {what} would need about {size(need)}{held} (per rank: {parts}; "
+            f"predicted by sq.pipeline.footprint), and {where} gives {size(available)}; the largest part is the "
+            f"{biggest}: {knob}; or pass --no-preflight to try anyway"], facts
