@@ -74,6 +74,15 @@ def written_by_sq(name: str) -> bool:
 # ---------------------------------------------------------------- durable writes
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself if it exists, else its nearest existing ancestor (where a folder at ``path`` would be
+    made; a relative path ends at ``.``'s parent chain as given)."""
+    path = Path(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

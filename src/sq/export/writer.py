@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 
 from sq.errors import SqError
-from sq.files import (INDEX_NAME, REPORT_NAME, RUN_DIR, SIDE_FILES, atomic_write, safetensors_bytes, sha256_bytes,
-                      write_bytes_atomic)
+from sq.files import (INDEX_NAME, REPORT_NAME, RUN_DIR, SIDE_FILES, atomic_write, nearest_existing, safetensors_bytes,
+                      sha256_bytes, write_bytes_atomic)
 from sq.load.source import open_checked
 from sq.resume import read_signed_json
 
@@ -47,11 +47,7 @@ def output_path_problems(out: str | Path, model_dir: str | Path | None = None) -
         return [f"--output {out} is a symbolic link to {os.readlink(out)!r}, which does not exist"]
     if out.exists() and not out.is_dir():
         return [f"--output {out} exists and is not a directory"]
-    first = out
-    while not first.exists():  # the nearest existing ancestor is where the folder will be made
-        if first.parent == first:
-            break
-        first = first.parent
+    first = nearest_existing(out)  # where the folder will be made
     if first.exists() and not first.is_dir():
         return [f"--output {out}: {first} is a file, so no folder can be made under it"]
     if first.exists() and not os.access(first, os.W_OK | os.X_OK):

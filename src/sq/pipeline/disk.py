@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sq.anatomy import EXPERT_PARAMS
+from sq.files import nearest_existing
 from sq.pipeline.search import stored_tensors
 
 __all__ = ["predict_output_bytes", "block_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "size", "GiB", "SLACK"]
@@ -142,17 +143,10 @@ def size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
-def _existing(path: Path) -> Path:
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def disk_problems(out: Path, need: int) -> tuple[list[str], dict]:
     """Refusal when the filesystem holding ``out`` cannot take ``need`` more bytes than the folder already
     has (a resumed or replaced run reuses its own files); the numbers for the report."""
-    where = _existing(out)
+    where = nearest_existing(Path(out).absolute())
     try:
         free = shutil.disk_usage(where).free
     except OSError as e:  # no statvfs there: nothing to predict against (the write itself still reports ENOSPC)

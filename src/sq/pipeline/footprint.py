@@ -211,13 +211,13 @@ def predict_memory(model: nn.Module, targets, algo, *, base: int, world: int, ep
         p["heap"] = min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD, small)
         cache[key] = total = sum(p.values())
         if total > worst:
-            worst, parts = total, {**p, "phase": phase}
+            worst, parts = total, {**p, "phase": phase, "peak_block": prefix}
     block_phase = max(worst, 0)
     # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
     # keeping them all for the root shard file and serializing that file in memory
     final, final0 = 2 * root_full, 3 * root_full
     return {"device": device, "rank": rank, "algorithm_knob": algo.memory_knob, "base": base, "root": root,
-            **{"phase": "forward", "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0, **parts}, "final": final,
+            **{"phase": "forward", "peak_block": None, "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0, **parts}, "final": final,
             "predicted_peak_bytes": base + root + max(block_phase, final),  # every rank but 0
             "predicted_peak_rank0_bytes": base + root + max(block_phase, final0)}
 
