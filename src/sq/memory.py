@@ -47,6 +47,26 @@ def reset_peak_rss() -> bool:
         return False
 
 
+class PeakPhases:
+    """A run's peak RSS and each phase's: ``start(phase)`` folds the peak since the last reset into the phase
+    that just ended and resets ``VmHWM``, so the next phase measures its own; it returns whether the reset was
+    permitted (where it is not, every phase sees the process's peak so far)."""
+
+    def __init__(self):
+        self.peak = 0
+        self.phases: dict[str, int] = {}
+
+    def fold(self, phase: str) -> int:
+        peak = peak_rss_bytes()
+        self.peak = max(self.peak, peak)
+        self.phases[phase] = max(self.phases.get(phase, 0), peak)
+        return peak
+
+    def start(self, ended: str) -> bool:
+        self.fold(ended)
+        return reset_peak_rss()
+
+
 def io_read_bytes() -> int:
     """Bytes this process caused to be fetched from storage (page-cache hits are free)."""
     try:

@@ -45,7 +45,7 @@ from sq.files import REPORT_PNG, sha256_bytes, shard_name
 from sq.formats import specs
 from sq.formats.compressed import compress_weight
 from sq.load.fill import local_box
-from sq.memory import HeapTrim, peak_rss_bytes, reset_peak_rss, rss_breakdown
+from sq.memory import HeapTrim, PeakPhases, peak_rss_bytes, rss_breakdown
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
 from sq.quant import rtn
@@ -69,9 +69,8 @@ from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinit
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
 from sq.pipeline.rotation import Rotation, rotation_problems
-from sq.pipeline.disk import disk_need, disk_problems, written_bytes
-from sq.pipeline.footprint import memory_problems, predict_memory
-from sq.memory import rss_bytes
+from sq.pipeline.disk import written_bytes
+from sq.pipeline.preflight import disk_preflight, memory_preflight
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +147,7 @@ class _Pipeline:
         self.rotation = Rotation(model, cfg.rotate, cfg.seed, self.device, cfg.rotate_block) if cfg.rotate else None
         self.disk: dict = {}  # the disk preflight's prediction and measurements (claim)
         self.memory: dict = {}  # the memory preflight's prediction (claim)
-        self.peak_rss = 0  # the run's peak RSS before the block in flight (each block resets VmHWM to see its own)
-        self.peak_phases: dict[str, int] = {}  # the peak before the blocks, over them, and at the end
+        self.peaks = PeakPhases()  # the peak RSS before the blocks, in each block, at the end
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
         # their shards, every few blocks where calibration forwards churn activations (sq.memory)
         self.trim = HeapTrim() if self.calibrated else HeapTrim(every=1)
@@ -171,35 +169,13 @@ class _Pipeline:
             sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         if cfg.preflight and not problems:  # a job refused already is not sized (its schemes may not apply)
-            problems += self._memory_preflight()
-            problems += self._disk_preflight()
+            for check, part in ((memory_preflight, "memory"), (disk_preflight, "disk")):
+                found, facts = check(self)
+                problems += found
+                setattr(self, part, facts)
         tokens = self.windows() if self.calibrated else None
         return self.run.claim(sig, cfg.resume, problems, config=self.weights.config,
                               tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes()))
-
-    def _disk_preflight(self) -> list[str]:
-        """The disk the job needs (``sq.pipeline.disk``) against the free space where ``--output`` lives (every rank
-        measures; any rank's refusal stops all of them)."""
-        need = disk_need(self.cfg, self.model, self.targets, self.weight_dtype, getattr(self.weights, "src", None),
-                         calibrated=self.calibrated, fp_chain=self.algo.fp_chain,
-                         chain_dtype=self.compute_dtype or self.weight_dtype or torch.float32)
-        problems, facts = disk_problems(self.out, need["predicted_output_bytes"] + need["predicted_state_bytes"])
-        self.disk = need | facts
-        return problems
-
-    def _memory_preflight(self) -> list[str]:
-        """Each rank's predicted peak (``sq.pipeline.footprint``) against what its node (or GPU) has left: the
-        node holds its ranks, each counted at the largest rank's prediction."""
-        cfg = self.cfg
-        kw = dict(base=rss_bytes(), world=self.world, ep=cfg.ep or 1, nsamples=cfg.nsamples, seqlen=cfg.seqlen,
-                  calibrated=self.calibrated, compute_dtype=self.compute_dtype or self.weight_dtype,
-                  weight_dtype=self.weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts,
-                  device=self.device.type, resident=self.weights.in_memory, bookkeeping=cfg.bookkeeping)
-        mine = predict_memory(self.model, self.targets, self.algo, rank=self.rank, **kw)
-        worst = predict_memory(self.model, self.targets, self.algo, **kw) if self.algo.rank_dependent_memory else mine
-        problems, facts = memory_problems(worst)
-        self.memory = {**mine, **facts}
-        return problems
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -254,9 +230,7 @@ class _Pipeline:
 
     # ---- one block
     def block(self, b: int) -> None:
-        # each block's own peak (VmHWM reset here), the run's kept in self.peak_rss
-        self._phase_peak("blocks" if self.peak_phases else "before_blocks")
-        peaks = reset_peak_rss()
+        peaks = self.peaks.start("blocks" if self.peaks.phases else "before_blocks")  # each block's own peak
         t0 = time.perf_counter()
         prefix, block = self.targets.blocks[b]
         phase: dict[str, float] = {}
@@ -494,17 +468,10 @@ class _Pipeline:
         return f"{name}."
 
     # ---- after the blocks
-    def _phase_peak(self, phase: str) -> None:
-        """Fold VmHWM since the last reset into the run's peak and ``phase``'s (the report's ``peak_rss_phases``)."""
-        peak = peak_rss_bytes()
-        self.peak_rss = max(self.peak_rss, peak)
-        self.peak_phases[phase] = max(self.peak_phases.get(phase, 0), peak)
-
     def finish(self, start: int) -> dict:
         """Root tensors, then rank 0's final stage that every rank waits for."""
         rank, weights = self.rank, self.weights
-        self._phase_peak("blocks" if self.peak_phases else "before_blocks")
-        reset_peak_rss()
+        self.peaks.start("blocks" if self.peaks.phases else "before_blocks")
         for entry in self.stats.blocks:  # the background files' bookkeeping, by block
             entry["bookkeeping"] = round(self.run.book_s.get(entry["block"], 0.0), 3)
         params = dict(self.model.named_parameters())
@@ -518,8 +485,8 @@ class _Pipeline:
         if rank == 0:
             self.run.fragments.update(writer.write_tensors(self.out, shard_name(0, None), root))
             self.run.fragments.update(weights.write_extras(self.out))
-        self._phase_peak("final")  # (rank 0's final stage -- config, report, index -- allocates little)
-        mine = {"rank": rank, "peak_rss_bytes": self.peak_rss, "peak_rss_phases": self.peak_phases,
+        self.peaks.fold("final")  # (rank 0's final stage -- config, report, index -- allocates little)
+        mine = {"rank": rank, "peak_rss_bytes": self.peaks.peak, "peak_rss_phases": self.peaks.phases,
                 "peak_gpu_bytes": _peak_gpu(self.device),
                 **({"predicted_peak_bytes": self.memory["predicted_peak_rank0_bytes" if rank == 0 else
                                                         "predicted_peak_bytes"], "base_rss_bytes": self.memory["base"]}

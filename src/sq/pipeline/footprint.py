@@ -46,13 +46,10 @@ from torch import nn
 from sq.anatomy import EXPERT_PARAMS, experts_modules, partner_groups
 from sq.memory import HEAP_KEEP, HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
 from sq.pipeline.disk import block_output_bytes, size
-from sq.quant.forward import CALIB_BATCH
+from sq.quant.forward import ACT_HIDDEN, ACT_WIDE, CALIB_BATCH
 
-__all__ = ["BlockShape", "MemoryFacts", "predict_memory", "memory_problems", "available_host_bytes", "ACT_HIDDEN", "ACT_WIDE",
-           "Buffers"]
+__all__ = ["BlockShape", "MemoryFacts", "predict_memory", "memory_problems", "available_host_bytes", "Buffers"]
 
-ACT_HIDDEN = 6  # a calibration forward's tensors of the hidden width per token (norms, residuals, q/o, outputs)
-ACT_WIDE = 4  # ... of the widest width (gate, up, their product, the activation)
 
 
 def _bytes(dtype: torch.dtype | None) -> int:

@@ -20,6 +20,11 @@ from sq.anatomy import decoder_blocks
 from sq.parallel.fsdp import unsharded
 
 CALIB_BATCH = 8  # samples per calibration forward
+# what a calibration forward holds at once per token, for the memory preflight (sq.pipeline.footprint): tensors
+# of the hidden width (norms, residuals, q/o, outputs) and of the block's widest (gate, up, their product, the
+# activation)
+ACT_HIDDEN = 6
+ACT_WIDE = 4
 # never replayed: a cache would carry one batch's (or one block's) state into the next forward
 _DROPPED = ("past_key_values", "past_key_value", "cache", "cache_params", "hidden_states")
 

@@ -15,6 +15,7 @@ from sq.quant.recipe import scheme_tag
 from sq.parallel.collectives import dim0_counts
 from sq.parallel.fsdp import unsharded
 from sq.quant.experts import whole_rows_stats
+from sq.quant.forward import ACT_HIDDEN, ACT_WIDE
 from sq.quant.signround import SignRoundConfig, TunedWeight, tunable, tune_block
 
 
@@ -68,8 +69,6 @@ class SignRoundAlgorithm(Algorithm):
         tuned rounding of this rank's rows with its gradient and the best one kept (float32); the quantized
         weights gathered whole for each step's forward; what one step's backward keeps of its forward
         (float32 under autocast)."""
-        from sq.pipeline.footprint import ACT_HIDDEN, ACT_WIDE
-
         b, cb = facts.block, facts.compute_bytes
         share = min(math.ceil(self.config.batch_size / facts.world), facts.samples)
         saved = 2 * share * facts.seqlen * 4
