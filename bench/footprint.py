@@ -56,17 +56,15 @@ GIANTS = {
         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
         qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
         norm_topk_prob=True, max_position_embeddings=163840, tie_word_embeddings=False)),
-    "Kimi-K2": ("deepseek_v3", dict(
-        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-        num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
-        routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
-        qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8, first_k_dense_replace=1,
-        norm_topk_prob=True, max_position_embeddings=131072, tie_word_embeddings=False)),
+    "Kimi-K2": ("deepseek_v3", None),  # DeepSeek-V3's architecture: its fields but for these
     "Qwen3-235B-A22B": ("qwen3_moe", dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
         num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, tie_word_embeddings=False)),
 }
+GIANTS["Kimi-K2"] = ("deepseek_v3", dict(
+    GIANTS["DeepSeek-V3"][1], vocab_size=163840, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+    routed_scaling_factor=2.827, n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=131072))
 H200_GIB = 141e9 / 2**30  # an H200's 141 GB
 NODE_GIB = 2048  # host memory of an 8 x H200 node (an assumption: 2 TiB)
 

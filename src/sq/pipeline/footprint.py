@@ -36,6 +36,7 @@ each part; the report keeps the prediction beside each rank's measured peak
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -48,8 +49,7 @@ from sq.memory import HEAP_KEEP, HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
 from sq.pipeline.disk import block_output_bytes, size
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE, CALIB_BATCH
 
-__all__ = ["BlockShape", "MemoryFacts", "predict_memory", "memory_problems", "available_host_bytes", "Buffers"]
-
+__all__ = ["BlockShape", "MemoryFacts", "predict_memory", "predict_ranks", "memory_problems", "available_host_bytes", "Buffers"]
 
 
 def _bytes(dtype: torch.dtype | None) -> int:
@@ -159,19 +159,23 @@ def _block_buffers(shape: BlockShape, f: MemoryFacts, resident: bool) -> Buffers
     return out
 
 
-def predict_memory(model: nn.Module, targets, algo, *, base: int, world: int, ep: int, nsamples: int, seqlen: int,
-                   calibrated: bool, compute_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
-                   calibrate_all_experts: bool = True, device: str = "cpu", resident: bool = False,
-                   rank: int | None = None, bookkeeping: bool = True) -> dict:
-    """Rank ``rank``'s predicted peak and its parts (bytes); None: the largest over the ranks.  ``resident``:
-    the weights are in memory already (the Python API's model), so in ``base``: no root or shard to fill."""
-    if rank is None:
-        every = [predict_memory(model, targets, algo, base=base, world=world, ep=ep, nsamples=nsamples, seqlen=seqlen,
-                                calibrated=calibrated, compute_dtype=compute_dtype, weight_dtype=weight_dtype,
-                                calibrate_all_experts=calibrate_all_experts, device=device, resident=resident, rank=r,
-                                bookkeeping=bookkeeping)
-                 for r in range(world if algo.rank_dependent_memory else 1)]
-        return max(every, key=lambda m: m["predicted_peak_rank0_bytes"])
+def predict_memory(model: nn.Module, targets, algo, *, rank: int | None = None, **job) -> dict:
+    """Rank ``rank``'s predicted peak and its parts (bytes); None: the largest over the ranks.  ``job``: the
+    keyword arguments of :func:`predict_ranks`."""
+    ranks = [rank] if rank is not None else range(job["world"] if algo.rank_dependent_memory else 1)
+    return max(predict_ranks(model, targets, algo, ranks=ranks, **job).values(),
+               key=lambda m: m["predicted_peak_rank0_bytes"])
+
+
+def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: int, ep: int, nsamples: int,
+                  seqlen: int, calibrated: bool, compute_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
+                  calibrate_all_experts: bool = True, device: str = "cpu", resident: bool = False,
+                  bookkeeping: bool = True) -> dict[int, dict]:
+    """Each of ``ranks``' predicted peak and its parts (bytes), by rank: what does not depend on the rank (the
+    block, the chain, the activations) is counted once per distinct block, only the algorithm's part per rank.
+    ``resident``: the weights are in memory already (the Python API's model), so in ``base``: no root or shard
+    to fill."""
+    ranks = list(ranks)
     wb, cb = _bytes(weight_dtype), _bytes(compute_dtype or weight_dtype)
     hidden = int(model.get_input_embeddings().weight.shape[-1])
     in_blocks = {id(p) for _, blk in targets.blocks for p in blk.parameters()}
@@ -179,15 +183,15 @@ def predict_memory(model: nn.Module, targets, algo, *, base: int, world: int, ep
     root_full = sum(p.numel() for p in root_params.values()) * wb
     root = 0 if resident else math.ceil(root_full / world)
     samples = math.ceil(nsamples / world) if calibrated else 0
-    worst, parts, cache = -1, {}, {}
+    worst, parts, seen = dict.fromkeys(ranks, -1), {r: {} for r in ranks}, set()
     for b, (prefix, blk) in enumerate(targets.blocks):
         shape = block_shape(blk, targets.linears[b], targets.experts[b])
         key = (shape, tuple(id(l.scheme) for l in targets.linears[b]), tuple(id(e.scheme) for e in targets.experts[b]))
-        if key in cache:  # repeated blocks: the same prediction
+        if key in seen:  # repeated blocks: the same prediction
             continue
-        facts = MemoryFacts(shape, samples, seqlen, hidden, cb, wb, world, ep, calibrate_all_experts, rank)
+        seen.add(key)
+        facts = MemoryFacts(shape, samples, seqlen, hidden, cb, wb, world, ep, calibrate_all_experts)
         step = facts.step_tokens
-        held, solve = algo.memory(facts) if calibrated else ([], [])
         # the previous block's files, written in the background while this one computes: this rank's share of
         # its tensors, and the same serialized in memory (sq.export.writer.write_shard)
         written = math.ceil(block_output_bytes(targets, b, weight_dtype) / world)
@@ -197,26 +201,29 @@ def predict_memory(model: nn.Module, targets, algo, *, base: int, world: int, ep
         copies = 2 + bool(bookkeeping)
         chain = facts.chain * (copies * (2 if algo.fp_chain else 1))
         acts = [(step * hidden * cb, ACT_HIDDEN), (step * shape.widest * cb, ACT_WIDE)] if step else []
-        # a calibration forward's transients and a solve's never coexist: the block's peak is the larger phase
-        phase = "solve" if _sum(solve) > _sum(acts) else "forward"
-        p = {"block": _sum(block), "chain": _sum(chain), "activations": _sum(acts) if phase == "forward" else 0,
-             "algorithm": _sum(held) + (_sum(solve) if phase == "solve" else 0)}
-        # trimmed every few blocks in a calibrated job, after every block otherwise (sq.pipeline.blocks: HeapTrim),
-        # where glibc keeps up to its trim threshold: the small buffers of the calibration's churn (a block's
-        # shards and files come back the same size in the next block, which reuses them)
-        small = max(_small(acts), _small(solve)) + _small(chain) + _small(held)
-        p["heap"] = min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD, small)
-        cache[key] = total = sum(p.values())
-        if total > worst:
-            worst, parts = total, {**p, "phase": phase, "peak_block": prefix}
-    block_phase = max(worst, 0)
+        for r in ranks:
+            held, solve = algo.memory(dataclasses.replace(facts, rank=r)) if calibrated else ([], [])
+            # a calibration forward's transients and a solve's never coexist: the block's peak is the larger phase
+            phase = "solve" if _sum(solve) > _sum(acts) else "forward"
+            p = {"block": _sum(block), "chain": _sum(chain), "activations": _sum(acts) if phase == "forward" else 0,
+                 "algorithm": _sum(held) + (_sum(solve) if phase == "solve" else 0)}
+            # trimmed every few blocks in a calibrated job, after every block otherwise (sq.pipeline.blocks:
+            # HeapTrim), where glibc keeps up to its trim threshold: the small buffers of the calibration's churn (a
+            # block's shards and files come back the same size in the next block, which reuses them)
+            small = max(_small(acts), _small(solve)) + _small(chain) + _small(held)
+            p["heap"] = min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD, small)
+            total = sum(p.values())
+            if total > worst[r]:
+                worst[r], parts[r] = total, {**p, "phase": phase, "peak_block": prefix}
     # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
     # keeping them all for the root shard file and serializing that file in memory
     final, final0 = 2 * root_full, 3 * root_full
-    return {"device": device, "rank": rank, "algorithm_knob": algo.memory_knob, "base": base, "root": root,
-            **{"phase": "forward", "peak_block": None, "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0, **parts}, "final": final,
-            "predicted_peak_bytes": base + root + max(block_phase, final),  # every rank but 0
-            "predicted_peak_rank0_bytes": base + root + max(block_phase, final0)}
+    empty = {"phase": "forward", "peak_block": None, "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0}
+    return {r: {"device": device, "rank": r, "algorithm_knob": algo.memory_knob, "base": base, "root": root,
+                **empty, **parts[r], "final": final,
+                "predicted_peak_bytes": base + root + max(worst[r], 0, final),  # every rank but 0
+                "predicted_peak_rank0_bytes": base + root + max(worst[r], 0, final0)}
+            for r in ranks}
 
 
 def available_host_bytes() -> tuple[int | None, str]:

@@ -9,7 +9,7 @@ import torch
 
 from sq.memory import rss_bytes
 from sq.pipeline.disk import disk_need, disk_problems
-from sq.pipeline.footprint import memory_problems, predict_memory
+from sq.pipeline.footprint import memory_problems, predict_ranks
 
 __all__ = ["memory_preflight", "disk_preflight"]
 
@@ -23,8 +23,9 @@ def memory_preflight(p) -> tuple[list[str], dict]:
               calibrated=p.calibrated, compute_dtype=p.compute_dtype or p.weight_dtype, weight_dtype=p.weight_dtype,
               calibrate_all_experts=cfg.calibrate_all_experts, device=p.device.type, resident=p.weights.in_memory,
               bookkeeping=cfg.bookkeeping)
-    mine = predict_memory(p.model, p.targets, p.algo, rank=p.rank, **kw)
-    worst = predict_memory(p.model, p.targets, p.algo, **kw) if p.algo.rank_dependent_memory else mine
+    every = predict_ranks(p.model, p.targets, p.algo, ranks=range(p.world) if p.algo.rank_dependent_memory else [p.rank],
+                          **kw)
+    mine, worst = every[p.rank], max(every.values(), key=lambda m: m["predicted_peak_rank0_bytes"])
     problems, facts = memory_problems(worst)
     return problems, {**mine, **facts}
 
