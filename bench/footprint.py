@@ -29,6 +29,21 @@ def _moe(name: str) -> list[str]:
     return ["--model", str(found[0]) if found else str(SCALE / name), "--group-size", "128", "--seqlen", "128"]
 
 
+DSV3_FP8 = WORK / "dsv3-fp8"  # a DeepSeek-V3 of 6 layers in the official FP8 block-scaled layout (built on first use)
+DSV3_FP8_CONFIG = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=6,
+                       num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=128,
+                       qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=64,
+                       num_experts_per_tok=6, n_group=4, topk_group=2, first_k_dense_replace=1, vocab_size=32000)
+
+
+def _dsv3_fp8() -> list[str]:
+    if not (DSV3_FP8 / "config.json").exists():
+        from sq.testing.checkpoints import build_deepseek_v3_fp8
+
+        build_deepseek_v3_fp8(DSV3_FP8, weight_block_size=(128, 128), **DSV3_FP8_CONFIG)
+    return ["--model", str(DSV3_FP8), "--group-size", "128", "--seqlen", "128"]
+
+
 JOBS = {  # name: (ranks, arguments)
     "demo-rtn": (2, [*DEMO, "--algo", "rtn"]),
     "demo-gptq": (2, [*DEMO, "--algo", "gptq", "--nsamples", "32"]),
@@ -44,6 +59,8 @@ JOBS = {  # name: (ranks, arguments)
     "big-gptq-ep2": (2, [*_moe("big"), "--algo", "gptq", "--nsamples", "8", "--ep", "2"]),
     "big-gptq-ep1": (2, [*_moe("big"), "--algo", "gptq", "--nsamples", "8", "--ep", "1"]),
     "big-rtn": (2, [*_moe("big"), "--algo", "rtn"]),
+    "dsv3fp8-gptq-ep2": (2, ["dsv3fp8", "--algo", "gptq", "--nsamples", "8", "--ep", "2"]),
+    "dsv3fp8-rtn": (2, ["dsv3fp8", "--algo", "rtn"]),
 }
 
 
@@ -67,6 +84,9 @@ GIANTS["Kimi-K2"] = ("deepseek_v3", dict(
     routed_scaling_factor=2.827, n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=131072))
 H200_GIB = 141e9 / 2**30  # an H200's 141 GB
 NODE_GIB = 2048  # host memory of an 8 x H200 node (an assumption: 2 TiB)
+# an H200's speeds as stated to sq.plan (assumptions, not measured: bf16 matmuls at about 40% of the 989 TFLOP/s
+# peak, HBM at most of its 4.8 TB/s, a node's NVMe shared by its 8 ranks, NVLink per rank)
+H200_STATED = dict(tflops=400, mem_gbs=4000, read_gbs=1.5, link_gbs=150)
 
 
 def plan(nsamples: int, seqlen: int) -> None:
@@ -74,11 +94,15 @@ def plan(nsamples: int, seqlen: int) -> None:
     from sq.ptq import config_from
     from sq.testing.checkpoints import build_sparse
 
+    from sq.pipeline.timing import stated_rates
+
+    rates = stated_rates(**H200_STATED)
     print(f"W4A16 group 128, GPTQ, {nsamples} x {seqlen} calibration, --ep = ranks, --device cuda, "
-          f"{H200_GIB:.0f} GiB per GPU; predicted per rank (GiB)")
+          f"{H200_GIB:.0f} GiB per GPU; predicted per rank (GiB); time at stated rates {H200_STATED}")
     print("| model | ranks | root | block | chain | activations | algorithm | heap | peak per GPU (rank 0) | fits | "
-          "checkpoint GiB | resume state GiB | seconds to plan |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "checkpoint GiB | resume state GiB | read GiB per rank | predicted hours (calibrate / solve) | "
+          "seconds to plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (model_type, config) in GIANTS.items():
         src = WORK / "giants" / name
         if not (src / "model.safetensors").exists():
@@ -90,20 +114,24 @@ def plan(nsamples: int, seqlen: int) -> None:
 
             t = time.perf_counter()
             p, _ = plan_job(config_from(build_parser().parse_args(argv)), nproc_per_node=8, nnodes=ranks // 8,
-                            device="cuda", gpu_memory=H200_GIB, host_memory=NODE_GIB)
+                            device="cuda", gpu_memory=H200_GIB, host_memory=NODE_GIB, rates=rates)
             secs = time.perf_counter() - t
-            m = p["memory"]
+            m, t = p["memory"], p["time"]
             g = {k: m[k] / 2**30 for k in ("root", "block", "chain", "activations", "algorithm", "heap")}
             peak = (m["predicted_peak_rank0_bytes"] - m["base"]) / 2**30
             print(f"| {name} | {ranks} ({ranks // 8} x 8) | " + " | ".join(f"{v:.2f}" for v in g.values())
                   + f" | {peak:.1f} | {'yes' if m['need_bytes'] <= m['available_bytes'] else 'no'} | "
-                  f"{p['predicted_output_bytes'] / 2**30:.0f} | {p['predicted_state_bytes'] / 2**30:.0f} | {secs:.1f} |")
+                  f"{p['predicted_output_bytes'] / 2**30:.0f} | {p['predicted_state_bytes'] / 2**30:.0f} | "
+                  f"{max(t['predicted_read_bytes']) / 2**30:.0f} | {t['predicted_seconds'] / 3600:.1f} "
+                  f"({t['phases']['calibrate'] / 3600:.1f} / {t['phases']['solve'] / 3600:.1f}) | {secs:.1f} |")
 
 
 def run(names: list[str]) -> None:
     bin_ = Path(sys.executable).parent
     for name in names:
         ranks, args = JOBS[name]
+        if args[0] == "dsv3fp8":  # built here, not at import
+            args = [*_dsv3_fp8(), *args[1:]]
         out = WORK / name
         cmd = [str(bin_ / "torchrun"), "--standalone", "--nproc-per-node", str(ranks), "-m", "sq.ptq",
                "--output", str(out), "--scheme", "W4A16", "--resume", "never", *args]
@@ -132,9 +160,33 @@ def table() -> None:
               f"{err} | {r['seconds']:.0f} |")
 
 
+def times() -> None:
+    """Predicted against measured seconds: the whole job, and each block phase summed over the blocks (the
+    slowest rank's, as the prediction counts them)."""
+    print("| job | ranks | predicted s | measured s | error | phases predicted / measured s "
+          "(fill, calibrate, solve, forward, write) | read MiB per rank (predicted = measured) |")
+    print("|---|---|---|---|---|---|---|")
+    for name in JOBS:
+        try:
+            r = json.loads((WORK / name / "sq_report.json").read_text())
+        except OSError:
+            continue
+        t, ranks = r.get("time"), sorted(r["ranks"], key=lambda x: x["rank"])
+        if not t:
+            continue
+        phases = ("fill", "calibrate", "solve", "forward", "write")
+        meas = {k: sum(max(x["blocks"][b].get(k, 0) for x in ranks) for b in range(len(ranks[0]["blocks"])))
+                for k in phases}
+        cells = ", ".join(f"{t['phases'].get(k, 0):.1f}/{meas[k]:.1f}" for k in phases)
+        reads = ", ".join(f"{x['read_bytes'] / 2**20:.0f}{'' if x['read_bytes'] == x['predicted_read_bytes'] else '!'}"
+                          for x in ranks if "read_bytes" in x)
+        print(f"| {name} | {len(ranks)} | {t['predicted_seconds']:.1f} | {r['seconds']:.1f} | "
+              f"{t['predicted_seconds'] / r['seconds'] - 1:+.0%} | {cells} | {reads} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["run", "table", "plan"])
+    ap.add_argument("cmd", choices=["run", "table", "times", "plan"])
     ap.add_argument("--nsamples", type=int, default=512, help="for plan")
     ap.add_argument("--seqlen", type=int, default=2048, help="for plan")
     ap.add_argument("--jobs", default=",".join(n for n in JOBS if not n.startswith("big")),
@@ -142,9 +194,12 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "plan":
         return plan(a.nsamples, a.seqlen)
+    if a.cmd == "times":
+        return times()
     if a.cmd == "run":
         run([n for n in a.jobs.split(",") if n])
     table()
+    times()
 
 
 if __name__ == "__main__":

@@ -5,12 +5,15 @@ config.json, the index and the safetensors headers (the model is built on the me
 of the job builds it), and prints the job's preflights: each rank's peak memory by part
 (``sq.pipeline.footprint``) against the node's memory (this machine's available memory, or
 ``--host-memory`` / ``--gpu-memory`` for another), and the disk (``sq.pipeline.disk``): the checkpoint, the
-resume state, the free space where ``--output`` lives.  No process group, no weight read.  Time is not
-predicted yet.
+resume state, the free space where ``--output`` lives; the checkpoint bytes each rank reads and the seconds the
+job takes by phase (``sq.pipeline.timing``: this machine's rates from short probes, or another machine's as
+stated with ``--tflops`` and the bandwidths).  No process group, no weight read.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -23,8 +26,10 @@ DESCRIPTION = """\
 Predict what a sq.ptq job needs before launching it. Takes sq.ptq's own arguments (prefix
 the job's command line with python -m sq.plan) and the launch, reads only config.json, the index
 and the safetensors headers, and prints each rank's peak memory by part against the node's memory,
-the disk the checkpoint and the resume state will take and the free space where --output lives;
-exits 2 with the job's own refusals when it would not fit. Time is not predicted yet."""
+the disk the checkpoint and the resume state will take and the free space where --output lives,
+the bytes each rank reads and the time the job takes by phase (this machine's speeds, measured by
+short probes; or a GPU's, stated with --tflops and the bandwidths); exits 2 with the job's own
+refusals when it would not fit."""
 
 
 def build_parser():
@@ -42,15 +47,26 @@ def build_parser():
                    help="the memory a node has for the job (default: this machine's available memory)")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                    help="--device cuda: each GPU's memory (default: this machine's first GPU's free memory)")
+    p.add_argument("--tflops", type=float, default=None, metavar="T",
+                   help="time on another machine: one rank's matmul TFLOP/s in the compute dtype (with the bandwidths "
+                        "below; default: this machine's, measured)")
+    p.add_argument("--mem-bandwidth", type=float, default=2000.0, metavar="GB/S",
+                   help="with --tflops: one rank's memory bandwidth (default 2000, an H100's order)")
+    p.add_argument("--read-bandwidth", type=float, default=2.0, metavar="GB/S",
+                   help="with --tflops: one rank's checkpoint read and write bandwidth (default 2)")
+    p.add_argument("--link-bandwidth", type=float, default=100.0, metavar="GB/S",
+                   help="with --tflops: a collective's bandwidth per rank (default 100, NVLink's order)")
     return p
 
 
 def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cpu", host_memory: float | None = None,
-             gpu_memory: float | None = None) -> tuple[dict, list[str]]:
+             gpu_memory: float | None = None, rates=None, t0: float | None = None) -> tuple[dict, list[str]]:
     """The predictions ``sq.ptq`` makes at start, without a process group or any weight read: each rank's memory
     (``sq.pipeline.footprint``; this process's own memory stands for a rank's base) and the job's disk (which
     does not depend on the ranks: each writes its share into the one output folder).  ``host_memory`` /
-    ``gpu_memory`` (GiB): a node's / a GPU's memory where the job will run (default: this machine's)."""
+    ``gpu_memory`` (GiB): a node's / a GPU's memory where the job will run (default: this machine's).  ``rates``
+    (``sq.pipeline.timing.Rates``): the speeds that price the time (None: this machine's, probed; a GPU's must be
+    stated); ``t0``: when this process started (``time.perf_counter``), standing for a rank's start."""
     from sq.errors import SqError
     from sq.load.loader import plan_load
     from sq.load.meta import build_skeleton
@@ -58,6 +74,7 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     from sq.parallel.fsdp import main_dtype
     from sq.pipeline.footprint import memory_problems, predict_memory
     from sq.pipeline.job import auto_ep
+    from sq.pipeline.preflight import job_times, machine_rates
     from sq.pipeline.targets import plan_targets
     from sq.pipeline.weights import CheckpointWeights
     from sq.quant.algorithms import make_algorithm
@@ -92,12 +109,29 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     mem_problems, mem_facts = memory_problems(
         memory, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),
         where=None if stated is None else f"--{'gpu' if device == 'cuda' else 'host'}-memory")
+    timing = None
+    if rates is None and device == "cpu":  # this machine's, with the threads torchrun gives each of its ranks
+        threads = torch.get_num_threads()
+        if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+        try:
+            rates = machine_rates(model, targets, algo, calibrated=calibrated, nsamples=cfg.nsamples, seqlen=cfg.seqlen,
+                                  world=world, ep=ep, dtype=chain_dtype, weight_dtype=weight_dtype,
+                                  device=torch.device("cpu"), src=src, out_dir=Path(cfg.output).parent,
+                                  local_world=nproc_per_node)
+        finally:
+            torch.set_num_threads(threads)
+    if rates is not None:
+        timing = job_times(model, targets, algo, rates=rates, world=world, ep=ep, plan=load, nsamples=cfg.nsamples,
+                           seqlen=cfg.seqlen, calibrated=calibrated, compute_dtype=chain_dtype,
+                           weight_dtype=weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts,
+                           started=time.perf_counter() - (t0 if t0 is not None else time.perf_counter()))
     quantized = sum(len(ls) for ls in targets.linears)
     plan = {"model": str(src), "algo": cfg.algo.name, "quantized_linears": quantized,
             "experts_modules": sum(len(es) for es in targets.experts), "blocks": len(targets.blocks),
             "world": world, "nproc_per_node": nproc_per_node, "ep": ep,
             "chain_dtype": str(chain_dtype).removeprefix("torch."), **need, **facts,
-            "memory": {**memory, **mem_facts}, "fits": not problems and not mem_problems}
+            "memory": {**memory, **mem_facts}, "time": timing, "fits": not problems and not mem_problems}
     return plan, mem_problems + problems
 
 
@@ -125,8 +159,20 @@ def _print(plan: dict) -> None:
         f"  disk needed    {plan['need_bytes'] * SLACK / GiB:9.3f} GiB  (with {SLACK - 1:.0%} for the index, report "
         "and logs)",
         f"  free there     {free / GiB:9.3f} GiB" if free is not None else f"  free there     unknown ({plan['error']})",
-        f"verdict          {'fits' if plan['fits'] else 'does not fit'}  (time is not predicted yet)",
     ]
+    t = plan.get("time")
+    if t:
+        reads = t.get("predicted_read_bytes") or [0]
+        lines += [f"time ({'stated rates' if t['rates']['source'] == 'stated' else 'this machine, probed'}; each block "
+                  "phase as its slowest rank):",
+                  f"  start          {t['start_seconds']:9.1f} s  (a rank's start and the root's fill)",
+                  *(f"  {k:<14} {v:9.1f} s" for k, v in t["phases"].items() if v),
+                  f"  final          {t['final_seconds']:9.1f} s",
+                  f"  total          {t['predicted_seconds']:9.1f} s  ({t['predicted_seconds'] / 3600:.2f} h)",
+                  f"  read per rank  {max(reads) / GiB:9.3f} GiB  (the largest; {sum(reads) / GiB:.3f} GiB over the ranks)"]
+    else:
+        lines.append("time             not predicted (a GPU's speeds are stated: --tflops and the bandwidths)")
+    lines.append(f"verdict          {'fits' if plan['fits'] else 'does not fit'}")
     print("\n".join(lines))
 
 
@@ -135,12 +181,18 @@ def main(argv=None) -> int:
     from sq.errors import SqError
     from sq.ptq import config_from
 
+    t0 = time.perf_counter()
+
     def body():
         import json
 
+        from sq.pipeline.timing import stated_rates
+
         a = build_parser().parse_args(argv)
+        rates = None if a.tflops is None else stated_rates(tflops=a.tflops, mem_gbs=a.mem_bandwidth,
+                                                           read_gbs=a.read_bandwidth, link_gbs=a.link_bandwidth)
         plan, problems = plan_job(config_from(a), nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, device=a.device,
-                                  host_memory=a.host_memory, gpu_memory=a.gpu_memory)
+                                  host_memory=a.host_memory, gpu_memory=a.gpu_memory, rates=rates, t0=t0)
         print(json.dumps(plan)) if a.json else _print(plan)
         if problems:
             raise SqError(problems)

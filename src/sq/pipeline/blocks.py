@@ -70,7 +70,7 @@ from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
 from sq.pipeline.rotation import Rotation, rotation_problems
 from sq.pipeline.disk import written_bytes
-from sq.pipeline.preflight import disk_preflight, memory_preflight
+from sq.pipeline.preflight import disk_preflight, memory_preflight, time_preflight
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +145,8 @@ class _Pipeline:
         self.search_report: dict | None = None  # --target-bits (sq.pipeline.search), when it ran in this process
         # --rotate (sq.pipeline.rotation): fused into each block right after it is filled
         self.rotation = Rotation(model, cfg.rotate, cfg.seed, self.device, cfg.rotate_block) if cfg.rotate else None
-        self.disk: dict = {}  # the disk preflight's prediction and measurements (claim)
-        self.memory: dict = {}  # the memory preflight's prediction (claim)
+        # the preflights' predictions (claim): disk (with the free space measured), memory, time
+        self.disk, self.memory, self.time = {}, {}, {}
         self.peaks = PeakPhases()  # the peak RSS before the blocks, in each block, at the end
         # the C heap's free pages back to the OS: after every block where blocks allocate little besides
         # their shards, every few blocks where calibration forwards churn activations (sq.memory)
@@ -173,6 +173,7 @@ class _Pipeline:
                 found, facts = check(self)
                 problems += found
                 setattr(self, part, facts)
+            self.time = time_preflight(self) if not problems else {}
         tokens = self.windows() if self.calibrated else None
         return self.run.claim(sig, cfg.resume, problems, config=self.weights.config,
                               tokens=None if tokens is None else sha256_bytes(tokens.contiguous().cpu().numpy().tobytes()))
@@ -491,6 +492,9 @@ class _Pipeline:
                 **({"predicted_peak_bytes": self.memory["predicted_peak_rank0_bytes" if rank == 0 else
                                                         "predicted_peak_bytes"], "base_rss_bytes": self.memory["base"]}
                    if self.memory else {}),
+                **({"read_bytes": weights.bytes_read, "predicted_read_bytes": (self.time.get("predicted_read_bytes")
+                                                                               or [None] * self.world)[rank]}
+                   if getattr(weights, "bytes_read", None) is not None else {}),
                 "machine": machine(), "blocks": self.stats.blocks}
         all_frags, _, all_mine = self.run.gather(mine)
 
@@ -534,6 +538,8 @@ class _Pipeline:
             report["rotation"] = self.rotation.report
         if self.memory:  # the preflight's prediction beside each rank's measured peak
             report["memory"] = self.memory
+        if self.time:  # the predicted seconds (by phase, by block), the bytes each rank reads, the rates that priced them
+            report["time"] = self.time
         if self.disk:  # the preflight's prediction beside what is in the folder now (report and index to come)
             report["disk"] = {**self.disk, "written_output_bytes": written_bytes(self.out)}
         return report

@@ -1,9 +1,14 @@
 """The preflights a job runs on every rank before it touches the output folder or reads a weight: the memory
 its ranks need (``sq.pipeline.footprint``) and the disk it writes (``sq.pipeline.disk``), each against what this
-machine has.  Any rank's refusal stops all of them (``sq.run.Run.claim`` agrees on the problems); the numbers go
-to the report's ``memory`` and ``disk`` sections.  ``--no-preflight`` skips both."""
+machine has, and the time it takes (``sq.pipeline.timing``: a prediction, never a refusal).  Any rank's refusal
+stops all of them (``sq.run.Run.claim`` agrees on the problems); the numbers go to the report's ``memory``,
+``disk`` and ``time`` sections.  ``--no-preflight`` skips them all."""
 
 from __future__ import annotations
+
+import logging
+import os
+import time
 
 import torch
 
@@ -11,7 +16,9 @@ from sq.memory import rss_bytes
 from sq.pipeline.disk import disk_need, disk_problems
 from sq.pipeline.footprint import memory_problems, predict_ranks
 
-__all__ = ["memory_preflight", "disk_preflight"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["memory_preflight", "disk_preflight", "time_preflight", "job_times", "machine_rates"]
 
 
 def memory_preflight(p) -> tuple[list[str], dict]:
@@ -37,3 +44,82 @@ def disk_preflight(p) -> tuple[list[str], dict]:
                      chain_dtype=p.compute_dtype or p.weight_dtype or torch.float32)
     problems, facts = disk_problems(p.out, need["predicted_output_bytes"] + need["predicted_state_bytes"])
     return problems, need | facts
+
+
+def job_times(model, targets, algo, *, rates, world: int, ep: int, plan, nsamples: int, seqlen: int,
+              calibrated: bool, compute_dtype, weight_dtype, calibrate_all_experts: bool, started: float) -> dict:
+    """The job's predicted seconds: the blocks' phases (``sq.pipeline.timing``; each as long as its slowest rank),
+    the root's fill before them and its write at the end, after ``started`` seconds already spent (the process's
+    start: measured), and the checkpoint bytes each rank reads.  ``plan``: the load plan (None: the weights are
+    in memory, nothing read)."""
+    from sq.pipeline.timing import OPS_FINAL, OPS_PER_FILL, OPS_PER_PIECE_READ, OPS_START, Cost, predict_times, read_bytes
+
+    ranks = range(world)
+    reads = read_bytes(model, plan, world=world, ep=ep, ranks=ranks) if plan is not None else None
+    t = predict_times(model, targets, algo, ranks=ranks, rates=rates, world=world, ep=ep, nsamples=nsamples,
+                      seqlen=seqlen, calibrated=calibrated, compute_dtype=compute_dtype, weight_dtype=weight_dtype,
+                      reads=reads, calibrate_all_experts=calibrate_all_experts)
+    root = max((reads[r]["root"] for r in ranks), default=0) if reads is not None else 0
+    pieces = max((reads[r]["root_pieces"] for r in ranks), default=0) if reads is not None else 0
+    t["start_seconds"] = round(started + rates.seconds(Cost(read=root, ops=OPS_START + OPS_PER_FILL
+                                                            + OPS_PER_PIECE_READ * pieces)), 3)
+    t["final_seconds"] = round(rates.seconds(Cost(write=root * world, link=root * world, files=3, ops=OPS_FINAL)), 3)
+    t["predicted_seconds"] = round(t["start_seconds"] + t["blocks_seconds"] + t["final_seconds"], 3)
+    if reads is not None:
+        t["predicted_read_bytes"] = [reads[r]["root"] + sum(reads[r]["blocks"]) for r in ranks]
+    t["rates"] = rates.to_dict()
+    return t
+
+
+def machine_rates(model, targets, algo, *, calibrated: bool, nsamples: int, seqlen: int, world: int, ep: int, dtype,
+                  weight_dtype, device, src, out_dir, local_world: int):
+    """This machine's rates for a job (``sq.pipeline.timing.probe_rates``) on its first block's Linear shapes, its
+    scheme and weights where GPTQ sweeps, its attention heads and ``seqlen``, its experts at the rows a forward
+    call routes to each."""
+    import math
+
+    from sq.anatomy import EXPERT_PARAMS, experts_modules
+    from sq.pipeline.timing import probe_rates, top_k_of
+    from sq.quant.forward import CALIB_BATCH
+
+    block = targets.blocks[0][1] if targets.blocks else None
+    shapes = sorted({(m.in_features, m.out_features) for m in block.modules() if isinstance(m, torch.nn.Linear)}
+                    if block is not None else ())
+    scheme = next((l.scheme for ls in targets.linears for l in ls), None) if algo.sweeps and calibrated else None
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    experts = None
+    moe = [ex for _, blk in targets.blocks for _, ex in experts_modules(blk)][:1]
+    if moe:  # a call's tokens (over the --ep group, which gathers them) at top-k of the experts
+        gu, down = (moe[0]._parameters[n] for n in EXPERT_PARAMS)
+        tokens = min(math.ceil(nsamples / world), CALIB_BATCH) * seqlen * (ep if ep > 1 else 1)
+        experts = (max(8, tokens * top_k_of(config) // int(down.shape[0])), int(gu.shape[-1]), int(down.shape[-1]))
+    return probe_rates(shapes=shapes, heads=heads if isinstance(heads, int) and heads > 0 else 8, seqlen=seqlen,
+                       compute_dtype=dtype, device=device, scheme=scheme, weight_dtype=weight_dtype or torch.float32,
+                       hessian_width=min((s[0] for s in shapes), default=0), experts=experts, src=src, out_dir=out_dir,
+                       local_world=local_world)
+
+
+def time_preflight(p) -> dict:
+    """The job's predicted seconds (no refusal: a slow job is still a job), priced by this machine's rates,
+    measured by every rank at once (or from the cache); {} where it could not be predicted (a prediction never
+    stops one rank: the others would wait for it)."""
+    try:
+        return _time_preflight(p)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("time not predicted: %s: %s", type(e).__name__, e)
+        return {}
+
+
+def _time_preflight(p) -> dict:
+    cfg = p.cfg
+    dtype = p.compute_dtype or p.weight_dtype or torch.float32
+    rates = machine_rates(p.model, p.targets, p.algo, calibrated=p.calibrated, nsamples=cfg.nsamples,
+                          seqlen=cfg.seqlen, world=p.world, ep=cfg.ep or 1,
+                          dtype=p.autocast or dtype,  # (mixed: the matmuls run in the half dtype)
+                          weight_dtype=p.weight_dtype, device=p.device, src=getattr(p.weights, "src", None), out_dir=p.out.parent,
+                          local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return job_times(p.model, p.targets, p.algo, rates=rates, world=p.world, ep=cfg.ep or 1,
+                     plan=getattr(p.weights, "plan", None), nsamples=cfg.nsamples, seqlen=cfg.seqlen,
+                     calibrated=p.calibrated, compute_dtype=dtype, weight_dtype=p.weight_dtype,
+                     calibrate_all_experts=cfg.calibrate_all_experts, started=time.perf_counter() - p.t_start)

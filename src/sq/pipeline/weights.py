@@ -58,6 +58,11 @@ class CheckpointWeights:
     def fill(self, names) -> None:
         fill(self.model, self.plan, names, device=self.device)
 
+    @property
+    def bytes_read(self) -> int:
+        """The checkpoint bytes this rank's loads asked the files for."""
+        return self.plan.reader().bytes_read
+
     def free(self, names) -> None:
         free(self.model, self.plan, names)
 
@@ -226,6 +231,8 @@ class ModelWeights:
 
     def block_names(self, b: int) -> list[str]:
         return self._blocks[b]
+
+    bytes_read = None  # nothing is read
 
     def fill(self, names) -> None:  # already in memory; a block's weights are about to become dequantized values
         if names is not self._root:

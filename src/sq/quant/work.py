@@ -10,6 +10,7 @@ fields, not keys of a shared bag.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -18,7 +19,7 @@ import torch.nn as nn
 
 from sq.formats.schemes import QuantScheme
 
-__all__ = ["Linear", "ExpertGroup", "ObservedScales", "BlockWork", "Solved"]
+__all__ = ["Linear", "ExpertGroup", "ObservedScales", "BlockWork", "Solved", "Cost"]
 
 
 @dataclass
@@ -110,3 +111,34 @@ class BlockWork:
     row_offset: dict[str, int] = field(default_factory=dict)  # dense weight name -> this rank's first row
     acts: ObservedScales = field(default_factory=ObservedScales)
     state: dict = field(default_factory=dict)
+
+
+@dataclass
+class Cost:
+    """What one phase of a block does, in the units ``sq.pipeline.timing.Rates`` prices (``Algorithm.cost``)."""
+
+    gemm: float = 0.0  # matmul FLOPs in the forwards' dtype
+    attention: float = 0.0  # attention FLOPs (scores and values), the forwards' dtype
+    experts: float = 0.0  # experts' matmul FLOPs (the tokens routed to each expert), the forwards' dtype
+    gemm32: float = 0.0  # float32 matmul FLOPs
+    gemm64: float = 0.0  # float64 matmul FLOPs (experts' Hessians over token sets)
+    hessian: float = 0.0  # GPTQ's per-sample Hessian accumulation: tokens x width^2
+    factor: float = 0.0  # GPTQ's damped inverse factorization: width^3
+    solves: float = 0.0  # GPTQ solves (each factorization's fixed cost)
+    columns: float = 0.0  # GPTQ sweep columns (Python-bound)
+    cells: float = 0.0  # GPTQ sweep columns x rows (each column's work on its rows, its error pushed on)
+    mem: float = 0.0  # bytes through elementwise passes
+    ops: float = 0.0  # small tensor ops (Python and dispatch bound)
+    read: float = 0.0  # checkpoint bytes read
+    write: float = 0.0  # bytes serialized and written
+    files: float = 0.0  # files written durably (fsync of the file and its folder)
+    link: float = 0.0  # bytes through collectives
+    collectives: float = 0.0  # collectives joined (each a rendezvous of the ranks: latency, and the skew between them)
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __mul__(self, k: float) -> Cost:
+        return Cost(*(a * k for a in dataclasses.astuple(self)))
+
+    __rmul__ = __mul__

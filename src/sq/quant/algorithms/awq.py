@@ -44,9 +44,9 @@ from sq.parallel.fsdp import unsharded
 from sq.formats import specs
 from sq.quant import rtn
 from sq.quant.activations import observes_activations
-from sq.quant.algorithms.base import Algorithm, register
+from sq.quant.algorithms.base import RTN_PASSES, Algorithm, register, rtn_cost
 from sq.quant.rtn import rtn_rows
-from sq.quant.work import BlockWork, Solved
+from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.algorithms.gptq import GPTQAlgorithm
 from sq.quant.experts import SlotStats
 from sq.quant.awq import AWQConfig, Mapping, block_mappings, candidate_scales, clip_search, grid, weight_means
@@ -55,6 +55,7 @@ from sq.quant.gptq import GPTQConfig
 from sq.quant.recipe import scheme_tag
 
 MAX_CLIP_GROUP = 256
+AWQ_PARENT_FORWARDS = 1.7  # a grid point replays every mapping's parent: this many block forwards (fitted)
 
 
 
@@ -228,6 +229,7 @@ class AWQAlgorithm(Algorithm):
     def __init__(self, config: AWQConfig):
         super().__init__(config)
         self.gptq = GPTQAlgorithm(GPTQConfig()) if config.awq_gptq else None
+        self.sweeps = self.gptq is not None
         if self.gptq is not None:
             self.error_metric = self.gptq.error_metric
 
@@ -474,6 +476,23 @@ class AWQAlgorithm(Algorithm):
         cache.append((4 * max((n * rows for n, rows in facts.block.accumulators), default=0), 3))
         held, solve = self.gptq.memory(facts) if self.gptq is not None else ([], [])
         return cache + held, solve
+
+    def cost(self, facts) -> dict[str, Cost]:
+        """Calibrate: the capture forward, then per grid point every mapping's balanced weights quantized whole
+        (every rank) and its parent replayed on this rank's tokens (about 1.7 forwards of the block, measured:
+        attention, o_proj, the MLP, down_proj), its error in float64; solve: RTN's or GPTQ's; no propagate
+        forward where the full-precision chain is carried (the capture forward's outputs are the next inputs)."""
+        b, f = facts.block, facts.fwd
+        out = self.gptq.cost(facts) if self.gptq is not None else {"solve": rtn_cost(facts)}
+        if f is None:
+            return out
+        whole = sum(i * o for i, o in b.linears) + sum(n * 3 * h * i for n, h, i in b.experts_modules)
+        per_point = f.routed * AWQ_PARENT_FORWARDS + Cost(mem=4 * RTN_PASSES * whole + 24 * facts.tokens * facts.hidden
+                                                          * len(b.accumulators))
+        out["calibrate"] = out.get("calibrate", f.calibrating) + per_point * self.config.n_grid
+        if self.config.fp_chain:
+            out["forward"] = Cost()
+        return out
 
     def release(self, work: BlockWork) -> None:
         if self.gptq is not None:

@@ -34,7 +34,7 @@ from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.quant import rtn
 from sq.quant.rtn import rtn_rows
-from sq.quant.work import BlockWork, Solved
+from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.experts import local_experts, segment_rows
 from sq.quant.settings import AlgoConfig
 
@@ -59,6 +59,7 @@ class Algorithm:
     # what shrinks ``memory``'s part, for the memory preflight's refusal
     memory_knob: ClassVar[str] = "--algo rtn holds nothing per block"
     rank_dependent_memory: ClassVar[bool] = False  # ``memory`` differs by rank (a plan predicts every rank)
+    sweeps: bool = False  # it runs GPTQ's column sweep (the time prediction measures a column's cost)
 
     def __init__(self, config: AlgoConfig):
         self.config = config
@@ -134,6 +135,13 @@ class Algorithm:
         adds nothing."""
         return [], []
 
+    def cost(self, facts) -> dict[str, Cost]:
+        """What this algorithm does to a block, by phase (``calibrate``, ``solve``, ``forward``), for the time
+        prediction (``sq.pipeline.timing``).  ``facts``: ``sq.pipeline.timing.CostFacts`` (this rank's tokens,
+        the block's shapes, one calibration pass's forward as ``facts.fwd``).  RTN: elementwise passes over
+        this rank's rows of every target, and a few small ops per weight solved."""
+        return {"solve": rtn_cost(facts)}
+
     def next_inputs(self, work: BlockWork) -> list | None:
         """The next block's inputs where the algorithm computed them (AWQ on the full-precision chain: its
         capture forward's outputs); None: the pipeline's propagate forward on the quantized block."""
@@ -146,6 +154,19 @@ class Algorithm:
     def block_report(self, work: BlockWork) -> dict | None:
         """What the report keeps about this block (None: nothing)."""
         return None
+
+
+RTN_PASSES = 40  # elementwise passes of an RTN solve over a weight in float32 (range, scale, divide, round, clamp,
+# back, the casts and copies between them; fitted)
+RTN_OPS = 40  # small ops per weight (or expert) an RTN solve makes
+
+
+def rtn_cost(facts, passes: int = RTN_PASSES) -> Cost:
+    """RTN over this rank's rows of the block's targets (``passes`` float32 passes over each)."""
+    b = facts.block
+    elems = (sum(i * o for i, o in b.linears) + sum(n * 3 * h * i for n, h, i in b.experts_modules)) / facts.world
+    weights = len(b.linears) + sum(2 * facts.owned_experts(n) for n, _, _ in b.experts_modules)
+    return Cost(mem=4 * passes * elems, ops=RTN_OPS * weights)
 
 
 _BY_NAME: dict[str, type[Algorithm]] = {}

@@ -4,15 +4,17 @@ their owner, over the rows it holds).  The maths: ``sq.quant.gptq``."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from sq.anatomy import decoder_blocks, is_experts_module
 from sq.errors import SqError
 from sq.parallel.collectives import dim0_counts, gather_rows, scatter_rows
-from sq.quant.algorithms.base import Algorithm, register
+from sq.quant.algorithms.base import Algorithm, register, rtn_cost
 from sq.quant.rtn import rtn_rows
-from sq.quant.work import BlockWork, Solved
+from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.experts import ExpertCalibration, local_experts
 from sq.quant.forward import InputLeaders, block_forward, paired_forward
 from sq.formats import primitives
@@ -24,6 +26,7 @@ from sq.quant.recipe import scheme_tag
 # Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
 # a sweep holds a few copies of them).  Larger stacks amortize the per-column loop further.
 EXPERT_STACK_ELEMS = 1 << 24
+EXPERT_SOLVE_OPS = 2000  # an expert's solve beyond its sweep: its rows copied, statistics, results (time prediction)
 # scheme strategies GPTQ solves: a row's scales depend on that row alone (NVFP4's global scale
 # is the all-reduced statistic the pipeline's reduce stage hands over)
 
@@ -85,6 +88,7 @@ class GPTQAlgorithm(Algorithm):
     calibrated = True
     error_metric = "output (through H)"
     rank_dependent_memory = True  # each stack is solved by its owner
+    sweeps = True
     memory_knob = ("GPTQ's float64 Hessians and its sweep grow with the square of each Linear's input width: a "
                    "dense block's are whole on every rank, an MoE's expert Hessians split by --ep over more ranks; "
                    "--algo rtn holds none")
@@ -158,6 +162,46 @@ class GPTQAlgorithm(Algorithm):
             solve += max(([(8 * w * w, 1), (4 * w * w, 2), (4 * e, 2), (2 * e, 2), (e, 1)] for w, e in jobs),
                          key=lambda bufs: sum(n * k for n, k in bufs))
         return held, solve
+
+    def cost(self, facts) -> dict[str, Cost]:
+        """Calibrate: the forward with every expert on every token, each sample's ``x^T x`` accumulated
+        (``hessian``: tokens x width^2) and all-reduced; experts' Hessians in float64 over the tokens of the
+        --ep group.  Solve: the stacks this rank owns (``_owners``; their rows gathered to it and scattered
+        back), each a factorization (``width^3``) and a sweep of ``width`` columns over its rows; experts:
+        gate_up stacked under one shared Hessian, down one sweep per expert, over this rank's rows of its
+        experts."""
+        b, t, world = facts.block, facts.tokens, facts.world
+        cal = facts.fwd.calibrating if facts.fwd is not None else Cost()
+        if self.pairs_chains and facts.fwd is not None:  # both chains, and the cross terms
+            cal = cal * 2 + Cost(hessian=sum(t * n * n for n, _ in b.accumulators))
+        for n, _ in b.accumulators:
+            cal = cal + Cost(hessian=t * n * n, link=16 * n * n, collectives=2) if world > 1 else cal + Cost(hessian=t * n * n)
+        solve = rtn_cost(facts, passes=2)  # the rows handed to the solve, the results written back
+        stacks = list(b.accumulators)
+        if world > 1:
+            owners = _owners([_solve_cost(n, rows) for n, rows in stacks], world)
+            solve = solve + Cost(link=sum(2 * n * rows * facts.weight_bytes for n, rows in stacks) / world,
+                                 collectives=len(b.linears) + len(stacks) + 1)  # gathers, scatters, the verdict
+            stacks = [st for st, o in zip(stacks, owners) if o == facts.rank]
+        for n, rows in stacks:  # (and the reported error through H: 2 rows n^2)
+            solve = solve + Cost(factor=n**3, solves=1, columns=n, cells=n * rows, gemm32=2 * rows * n * n)
+        for n_e, h, i in b.experts_modules:
+            own, dp = facts.owned_experts(n_e), max(1, world // facts.ep)
+            group = t * facts.ep  # the tokens every expert of this rank's --ep group sees (calibrate-all)
+            routed = group * min(1.0, facts.top_k / n_e)
+            up_rows, down_rows = math.ceil(2 * i / dp), math.ceil(h / dp)
+            if facts.calibrate_all_experts:
+                cal = cal + Cost(gemm64=2 * group * (h * h + own * i * i))
+                per = max(1, EXPERT_STACK_ELEMS // (up_rows * h))
+                solve = solve + Cost(factor=h**3, solves=1, columns=h * math.ceil(own / per), cells=h * own * up_rows,
+                                     gemm32=2 * own * up_rows * h * h)
+            else:
+                cal = cal + Cost(gemm64=2 * routed * own * (h * h + i * i))
+                solve = solve + Cost(factor=own * h**3, solves=own, columns=own * h, cells=own * h * up_rows,
+                                     gemm32=2 * own * up_rows * h * h)
+            solve = solve + Cost(factor=own * i**3, solves=own, columns=own * i, cells=own * i * down_rows,
+                                 gemm32=2 * own * down_rows * i * i, ops=2 * own * EXPERT_SOLVE_OPS)
+        return {"calibrate": cal, "solve": solve}
 
     def _rows(self, g: GPTQ | None, w: torch.Tensor, scheme, name: str, stats=None, row_offset: int = 0) -> Solved:
         """``stats``: the weight's all-reduced cross-row statistics (a list: one per stacked weight)."""

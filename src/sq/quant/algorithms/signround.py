@@ -9,14 +9,19 @@ import torch
 
 from sq.load.fill import local_box
 from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
-from sq.quant.algorithms.base import Algorithm, register
-from sq.quant.work import BlockWork, Solved
+from sq.quant.algorithms.base import RTN_PASSES, Algorithm, register, rtn_cost
+from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.recipe import scheme_tag
 from sq.parallel.collectives import dim0_counts
 from sq.parallel.fsdp import unsharded
 from sq.quant.experts import whole_rows_stats
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE
 from sq.quant.signround import SignRoundConfig, TunedWeight, tunable, tune_block
+
+
+SIGNROUND_PASS_FORWARDS = 5  # a tuning step's forward, backward and the loop around them, in forwards (fitted)
+SIGNROUND_OPS = 60  # small ops per tuned weight and step (quantize-dequantize, the sign step)
+OPS_PER_STEP = 200  # the step's own (the batch's kwargs, the loss, its all-reduce)
 
 
 @register
@@ -77,6 +82,21 @@ class SignRoundAlgorithm(Algorithm):
         gathered = [(i * o * cb, 1) for i, o in b.linears] + [(n * 3 * h * i * cb, 1) for n, h, i in b.experts_modules]
         return [], [(facts.tokens * facts.hidden * cb, 2), *tuned, *gathered,
                     (saved * facts.hidden, ACT_HIDDEN), (saved * b.widest, ACT_WIDE)]
+
+    def cost(self, facts) -> dict[str, Cost]:
+        """Calibrate: the full-precision outputs (a forward), then per step the tuned weights quantized and
+        dequantized (every rank: whole weights for the gathered forward), a forward of this rank's share of the
+        batch and its backward (about three times a forward: ``backward_s`` in the block reports), the loss
+        all-reduced, the sign step on its rows.  Solve: the tuned rows quantized once more."""
+        b, f = facts.block, facts.fwd
+        if f is None or not self.config.iters:
+            return {"solve": rtn_cost(facts)}
+        share = min(math.ceil(self.config.batch_size / facts.world), facts.samples)
+        whole = sum(i * o for i, o in b.linears) + sum(n * 3 * h * i for n, h, i in b.experts_modules)
+        weights = len(b.linears) + 2 * len(b.experts_modules)
+        step = (f.samples(share, facts.samples) * SIGNROUND_PASS_FORWARDS
+                + Cost(mem=4 * RTN_PASSES * whole, ops=SIGNROUND_OPS * weights + OPS_PER_STEP))
+        return {"calibrate": f.routed + step * self.config.iters, "solve": rtn_cost(facts)}
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         slot = work.state["slots"][linear.name]
