@@ -3,6 +3,7 @@ against the peak it measured (``VmHWM``), over the demo model's algorithms and t
 
     .venv/bin/python bench/footprint.py run [--jobs demo-gptq,...]   # runs the jobs (torchrun, 2 ranks unless named)
     .venv/bin/python bench/footprint.py table                          # the markdown table of every finished job
+    .venv/bin/python bench/footprint.py times [--repredict]            # predicted against measured seconds
     .venv/bin/python bench/footprint.py plan                           # DeepSeek-V3 / Kimi-K2 / Qwen3-235B planned
 
 Jobs write to ``bench/_work/footprint/<job>``; the MoE jobs need ``bench/scale.py build --ckpts depth-L8,big``.
@@ -33,7 +34,7 @@ DSV3_FP8 = WORK / "dsv3-fp8"  # a DeepSeek-V3 of 6 layers in the official FP8 bl
 DSV3_FP8_CONFIG = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=6,
                        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=128,
                        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=64,
-                       num_experts_per_tok=6, n_group=4, topk_group=2, first_k_dense_replace=1, vocab_size=32000)
+                       num_experts_per_tok=6, n_group=4, topk_group=2, first_k_dense_replace=1, vocab_size=8192)
 
 
 def _dsv3_fp8() -> list[str]:
@@ -61,6 +62,8 @@ JOBS = {  # name: (ranks, arguments)
     "big-rtn": (2, [*_moe("big"), "--algo", "rtn"]),
     "dsv3fp8-gptq-ep2": (2, ["dsv3fp8", "--algo", "gptq", "--nsamples", "8", "--ep", "2"]),
     "dsv3fp8-rtn": (2, ["dsv3fp8", "--algo", "rtn"]),
+    "depthL8-modelfree": (2, [*_moe("depth-L8"), "--algo", "rtn", "--model-free"]),
+    "dsv3fp8-modelfree": (2, ["dsv3fp8", "--algo", "rtn", "--model-free"]),
 }
 
 
@@ -151,6 +154,8 @@ def table() -> None:
             r = json.loads((WORK / name / "sq_report.json").read_text())
         except OSError:
             continue
+        if "memory" not in r:  # model-free: no memory prediction
+            continue
         m, ranks = r["memory"], sorted(r["ranks"], key=lambda x: x["rank"])
         parts = " / ".join(str(m[k] >> 20) for k in ("root", "block", "chain", "activations", "algorithm", "heap"))
         pred = ", ".join(str(x["predicted_peak_bytes"] >> 20) for x in ranks)
@@ -160,11 +165,30 @@ def table() -> None:
               f"{err} | {r['seconds']:.0f} |")
 
 
-def times() -> None:
+def _repredicted(name: str, r: dict) -> dict:
+    """The job's time as this code predicts it from the rates its run recorded (``sq.plan``'s prediction with
+    those rates, after the start the run measured): a model refitted after a run is checked against it without
+    running it again."""
+    from sq.pipeline.timing import Rates
+    from sq.plan import build_parser, plan_job
+    from sq.ptq import config_from
+
+    ranks, args = JOBS[name]
+    if args[0] == "dsv3fp8":
+        args = [*_dsv3_fp8(), *args[1:]]
+    rates = {k: v for k, v in r["time"]["rates"].items() if k != "source"}
+    a = build_parser().parse_args(["--output", str(WORK / f"{name}-plan"), "--scheme", "W4A16", *args])
+    t = plan_job(config_from(a), nproc_per_node=ranks, rates=Rates(**rates, source="recorded"))[0]["time"]
+    started = r["time"]["start_seconds"]  # (with the root's fill: the plan's own start is this process's)
+    return {**t, "predicted_seconds": started + t["blocks_seconds"] + t["final_seconds"]}
+
+
+def times(repredict: bool = False) -> None:
     """Predicted against measured seconds: the whole job, and each block phase summed over the blocks (the
-    slowest rank's, as the prediction counts them)."""
+    slowest rank's, as the prediction counts them).  ``repredict``: predicted by this code from the rates each
+    run recorded (:func:`_repredicted`), not as the run predicted them."""
     print("| job | ranks | predicted s | measured s | error | phases predicted / measured s "
-          "(fill, calibrate, solve, forward, write) | read MiB per rank (predicted = measured) |")
+          "(fill, calibrate, solve, forward, write) | read MiB per rank (~: within 1% of predicted, else equal) |")
     print("|---|---|---|---|---|---|---|")
     for name in JOBS:
         try:
@@ -174,12 +198,19 @@ def times() -> None:
         t, ranks = r.get("time"), sorted(r["ranks"], key=lambda x: x["rank"])
         if not t:
             continue
+        if repredict and r.get("mode") != "model-free":
+            t = _repredicted(name, r)
+        reads = ", ".join(f"{x['read_bytes'] / 2**20:.0f}{'' if x['read_bytes'] == x['predicted_read_bytes'] else '~'}"
+                          for x in ranks if "read_bytes" in x)
+        if r.get("mode") == "model-free":  # no blocks phases: each rank's layers in one stream
+            print(f"| {name} | {len(ranks)} | {t['predicted_seconds']:.1f} | {r['seconds']:.1f} | "
+                  f"{t['predicted_seconds'] / r['seconds'] - 1:+.0%} | (model-free: per rank "
+                  f"{', '.join(f'{x:.1f}' for x in t['ranks_seconds'])} s predicted) | {reads} |")
+            continue
         phases = ("fill", "calibrate", "solve", "forward", "write")
         meas = {k: sum(max(x["blocks"][b].get(k, 0) for x in ranks) for b in range(len(ranks[0]["blocks"])))
                 for k in phases}
         cells = ", ".join(f"{t['phases'].get(k, 0):.1f}/{meas[k]:.1f}" for k in phases)
-        reads = ", ".join(f"{x['read_bytes'] / 2**20:.0f}{'' if x['read_bytes'] == x['predicted_read_bytes'] else '!'}"
-                          for x in ranks if "read_bytes" in x)
         print(f"| {name} | {len(ranks)} | {t['predicted_seconds']:.1f} | {r['seconds']:.1f} | "
               f"{t['predicted_seconds'] / r['seconds'] - 1:+.0%} | {cells} | {reads} |")
 
@@ -187,6 +218,8 @@ def times() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["run", "table", "times", "plan"])
+    ap.add_argument("--repredict", action="store_true",
+                    help="for times: predicted by this code from each run's recorded rates, not as the run predicted")
     ap.add_argument("--nsamples", type=int, default=512, help="for plan")
     ap.add_argument("--seqlen", type=int, default=2048, help="for plan")
     ap.add_argument("--jobs", default=",".join(n for n in JOBS if not n.startswith("big")),
@@ -195,7 +228,7 @@ def main() -> None:
     if a.cmd == "plan":
         return plan(a.nsamples, a.seqlen)
     if a.cmd == "times":
-        return times()
+        return times(a.repredict)
     if a.cmd == "run":
         run([n for n in a.jobs.split(",") if n])
     table()

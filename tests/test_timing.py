@@ -93,6 +93,7 @@ def test_plan_for_a_stated_machine_scales_with_the_job(checkpoints):
     assert two["phases"]["forward"] < more["phases"]["forward"]
     assert rtn["phases"]["calibrate"] == 0 and rtn["phases"]["forward"] == 0 and rtn["phases"]["solve"] > 0
     assert sum(two["predicted_read_bytes"]) == one["predicted_read_bytes"][0]  # the ranks split the checkpoint
+    assert one["collectives_per_block"] == 0 < two["collectives_per_block"] and two["collective_bytes_per_block"] > 0
 
 
 def test_plan_on_a_gpu_without_its_speeds_predicts_no_time(checkpoints):
@@ -111,5 +112,43 @@ def test_rates_are_probed_once_per_machine_and_job_shape(tmp_path, monkeypatch):
     second = probe_rates(**kw)
     assert first.source == "probe" and second.source == "cached"
     assert first.gemm == second.gemm and first.column == second.column > 0 and first.factor > 0
-    assert len(list((tmp_path / "probes").glob("rates-*.json"))) == 1
+    assert len(list((tmp_path / "rates").glob("*.json"))) == 1
     assert probe_rates(**{**kw, "seqlen": 64}).source == "probe"  # another job shape: measured again
+
+
+@pytest.mark.parametrize("fixture,exact", [("llama", True), ("deepseek_v3_fp8", False)])
+def test_model_free_predicts_each_ranks_reads(fixture, exact, checkpoints, tmp_path):
+    """``--model-free``: each rank reads its units whole and its rows of the row-split ones, as predicted before
+    anything is written (an FP8 source's scale rows besides: within 1%); the report has the predicted seconds."""
+    out = tmp_path / "out"
+    res = _ptq(checkpoints[fixture], out, 2, "--model-free", "--algo", "rtn", "--scheme", "W4A16", "--group-size", "16")
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "sq_report.json").read_text())
+    ranks = sorted(report["ranks"], key=lambda r: r["rank"])
+    assert len(ranks) == 2 and all(r["read_bytes"] > 0 for r in ranks)
+    for r in ranks:
+        if exact:
+            assert r["read_bytes"] == r["predicted_read_bytes"]
+        else:
+            assert r["read_bytes"] == pytest.approx(r["predicted_read_bytes"], rel=0.01)
+    t = report["time"]
+    assert t["predicted_seconds"] > 0 and len(t["ranks_seconds"]) == 2 and t["rates"]["read"] > 0
+
+
+def test_the_carried_layer_is_counted_at_the_end_on_rank_0(checkpoints):
+    """DeepSeek-V3's MTP layer has no slot in the model: rank 0 reads it (FP8 weights dequantized to the model's
+    dtype) and writes it at the end; the memory and time of that final stage count it."""
+    from sq.load.loader import plan_load
+    from sq.load.meta import build_skeleton
+    from sq.pipeline.footprint import CARRIED_COPIES, carried_bytes
+
+    src = checkpoints["deepseek_v3_fp8"]
+    plan = plan_load(build_skeleton(src), src)
+    assert plan.carried and all(".layers.3." in k for k in plan.carried)  # the MTP layer (3 decoder layers)
+    elems = sum(int(torch.Size(plan.source.tensors[k].shape).numel()) for k in plan.carried)
+    assert carried_bytes(plan, torch.bfloat16) == 2 * elems  # FP8 and bf16 tensors alike, at 2 bytes each
+    stated = ["--device", "cuda", "--gpu-memory", "80", "--tflops", "400", "--algo", "rtn", "--group-size", "16"]
+    planned = _plan(src, *stated)
+    m = planned["memory"]
+    assert m["predicted_peak_rank0_bytes"] - m["base"] - m["root"] >= CARRIED_COPIES * 2 * elems
+    assert m["predicted_peak_bytes"] - m["base"] - m["root"] < CARRIED_COPIES * 2 * elems  # rank 0's alone

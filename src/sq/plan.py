@@ -72,7 +72,7 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     from sq.load.meta import build_skeleton
     from sq.memory import rss_bytes
     from sq.parallel.fsdp import main_dtype
-    from sq.pipeline.footprint import memory_problems, predict_memory
+    from sq.pipeline.footprint import carried_bytes, memory_problems, predict_memory
     from sq.pipeline.job import auto_ep
     from sq.pipeline.preflight import job_times, machine_rates
     from sq.pipeline.targets import plan_targets
@@ -95,32 +95,32 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     algo = make_algorithm(cfg.algo)
     ep = cfg.ep if cfg.ep is not None else auto_ep(model, world, algo)
     calibrated = cfg.needs_data(assigner)
-    # the calibration dtype is measured at start on a CPU (sq.probe): float32 is the larger; a GPU keeps the model's
-    half = cfg.calib_dtype == "model" or (device == "cuda" and cfg.calib_dtype == "auto")
-    chain_dtype = weight_dtype if half and weight_dtype else torch.float32
+    # the calibration dtype: as the job chooses it (sq.probe: measured on a CPU, with the threads torchrun gives each
+    # of a node's ranks; the same cache), the model's on a GPU
+    threads = torch.get_num_threads()
+    if device == "cpu" and nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    try:
+        chain_dtype, gemm_dtype = _calib_dtype(cfg, targets, algo, weight_dtype, device, calibrated)
+        if rates is None and device == "cpu":  # this machine's
+            rates = machine_rates(model, targets, algo, calibrated=calibrated, nsamples=cfg.nsamples, seqlen=cfg.seqlen,
+                                  world=world, ep=ep, dtype=gemm_dtype, weight_dtype=weight_dtype,
+                                  device=torch.device("cpu"), src=src, out_dir=Path(cfg.output).parent,
+                                  local_world=nproc_per_node)
+    finally:
+        torch.set_num_threads(threads)
     need = disk_need(cfg, model, targets, weight_dtype, src, calibrated=calibrated, chain_dtype=chain_dtype,
                      fp_chain=algo.fp_chain)
     problems, facts = disk_problems(Path(cfg.output), need["predicted_output_bytes"] + need["predicted_state_bytes"])
     memory = predict_memory(model, targets, algo, base=rss_bytes(), world=world, ep=ep, nsamples=cfg.nsamples,
                             seqlen=cfg.seqlen, calibrated=calibrated, compute_dtype=chain_dtype,
                             weight_dtype=weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts, device=device,
-                            bookkeeping=cfg.bookkeeping)
+                            bookkeeping=cfg.bookkeeping, carried=carried_bytes(load, weight_dtype))
     stated = gpu_memory if device == "cuda" else host_memory
     mem_problems, mem_facts = memory_problems(
         memory, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),
         where=None if stated is None else f"--{'gpu' if device == 'cuda' else 'host'}-memory")
     timing = None
-    if rates is None and device == "cpu":  # this machine's, with the threads torchrun gives each of its ranks
-        threads = torch.get_num_threads()
-        if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)
-        try:
-            rates = machine_rates(model, targets, algo, calibrated=calibrated, nsamples=cfg.nsamples, seqlen=cfg.seqlen,
-                                  world=world, ep=ep, dtype=chain_dtype, weight_dtype=weight_dtype,
-                                  device=torch.device("cpu"), src=src, out_dir=Path(cfg.output).parent,
-                                  local_world=nproc_per_node)
-        finally:
-            torch.set_num_threads(threads)
     if rates is not None:
         timing = job_times(model, targets, algo, rates=rates, world=world, ep=ep, plan=load, nsamples=cfg.nsamples,
                            seqlen=cfg.seqlen, calibrated=calibrated, compute_dtype=chain_dtype,
@@ -133,6 +133,20 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
             "chain_dtype": str(chain_dtype).removeprefix("torch."), **need, **facts,
             "memory": {**memory, **mem_facts}, "time": timing, "fits": not problems and not mem_problems}
     return plan, mem_problems + problems
+
+
+def _calib_dtype(cfg, targets, algo, weight_dtype, device: str, calibrated: bool):
+    """(the chain's dtype, the forwards' matmul dtype) as the job will choose them (``sq.probe``)."""
+    from sq.probe import calib_dtype_choice
+
+    if not calibrated or weight_dtype is None:
+        return torch.float32, torch.float32
+    block = targets.blocks[0][1] if targets.blocks else None
+    shapes = sorted({(m.in_features, m.out_features) for m in block.modules() if isinstance(m, torch.nn.Linear)}
+                    if block is not None else (), key=lambda s: -s[0] * s[1])[:3]
+    choice = calib_dtype_choice(cfg.calib_dtype, shapes, weight_dtype, torch.device(device), half=algo.half_forwards)
+    chain = choice.dtype or weight_dtype
+    return chain, choice.autocast or chain
 
 
 def _print(plan: dict) -> None:
@@ -169,7 +183,9 @@ def _print(plan: dict) -> None:
                   *(f"  {k:<14} {v:9.1f} s" for k, v in t["phases"].items() if v),
                   f"  final          {t['final_seconds']:9.1f} s",
                   f"  total          {t['predicted_seconds']:9.1f} s  ({t['predicted_seconds'] / 3600:.2f} h)",
-                  f"  read per rank  {max(reads) / GiB:9.3f} GiB  (the largest; {sum(reads) / GiB:.3f} GiB over the ranks)"]
+                  f"  read per rank  {max(reads) / GiB:9.3f} GiB  (the largest; {sum(reads) / GiB:.3f} GiB over the ranks)",
+                  f"  collectives    {t['collectives_per_block']:9.1f} per block  "
+                  f"({t['collective_bytes_per_block'] / 2**20:.1f} MiB per rank and block)"]
     else:
         lines.append("time             not predicted (a GPU's speeds are stated: --tflops and the bandwidths)")
     lines.append(f"verdict          {'fits' if plan['fits'] else 'does not fit'}")

@@ -333,16 +333,56 @@ def _run(cfg, plan: Plan, reader: Reader, source, assigner, t_start: float) -> d
     world = dist.get_world_size()
     split_at = os.environ.get("SQ_MODELFREE_SPLIT_BYTES")  # tests only: force row splits of small Linears
     owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
+    root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
+    predicted = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output),
+                               time.perf_counter() - t_start, fp8=reader.layout is not None)
     sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
     run = Run(cfg.output, bookkeeping=cfg.bookkeeping, fault=cfg.fault)
     if not run.claim(sig, cfg.resume, [], config=source.config):
         return {"complete": True}
     with run.log_file():
-        return _run_layers(cfg, run, plan, reader, source, owner, split, t_start)
+        return _run_layers(cfg, run, plan, reader, source, owner, split, t_start, predicted)
+
+
+def predicted_time(plan: Plan, owner: list[int], split: list[int], world: int, root: int, src: Path, out: Path,
+                   started: float, fp8: bool = False) -> dict:
+    """Each rank's checkpoint reads and the job's seconds, before anything is written, at this machine's rates
+    (``sq.pipeline.timing``): a rank reads its units whole and its rows of each row-split unit (the reads
+    ``predicted_read_bytes`` counts: an FP8 source's scale rows besides, within 1%), the read-ahead
+    thread overlapping the reads with RTN's passes over them; each layer's file written durably; the slowest rank
+    sets the time (they meet only at the end), then rank 0's root and carried tensors (``root`` bytes); ``fp8``:
+    the source's weights are FP8, dequantized as they are converted (at most one byte an element)."""
+    from sq.pipeline.timing import FP8_DEQUANT_BYTES, OPS_FINAL, OPS_PER_PIECE_READ, OPS_PER_WRITE, Cost, probe_rates
+    from sq.quant.algorithms.base import RTN_OPS, RTN_PASSES
+
+    try:
+        rates = probe_rates(shapes=[], heads=1, seqlen=1, compute_dtype=torch.float32, device=torch.device("cpu"),
+                            src=src, out_dir=out.parent)
+    except Exception as e:  # noqa: BLE001 - a prediction never stops a job
+        logger.warning("time not predicted: %s: %s", type(e).__name__, e)
+        return {}
+    split_set = set(split)
+    reads, compute, written = [0] * world, [Cost() for _ in range(world)], [0.0] * world
+    for i, u in enumerate(plan.units):
+        mine = range(world) if i in split_set else [owner[i]]
+        for r in mine:
+            nbytes = u.nbytes / len(mine)
+            reads[r] += int(nbytes)
+            bits = u.scheme.num_bits / 16 if u.scheme is not None else 1.0
+            compute[r] = compute[r] + Cost(mem=(2 * RTN_PASSES * nbytes if u.scheme is not None else 2 * nbytes)
+                                           + (FP8_DEQUANT_BYTES * nbytes if fp8 else 0),
+                                           ops=(RTN_OPS + OPS_PER_PIECE_READ) * len(u.slots))
+            written[r] += bits * nbytes
+    blocks = len(plan.blocks)
+    per_rank = [max(rates.seconds(Cost(read=reads[r])), rates.seconds(compute[r]))
+                + rates.seconds(Cost(write=written[r], files=blocks, ops=OPS_PER_WRITE * blocks)) for r in range(world)]
+    final = rates.seconds(Cost(read=root, write=root, files=3, ops=OPS_FINAL, mem=FP8_DEQUANT_BYTES * root if fp8 else 0))
+    return {"predicted_seconds": round(started + max(per_rank) + final, 3),
+            "ranks_seconds": [round(x, 3) for x in per_rank], "predicted_read_bytes": reads, "rates": rates.to_dict()}
 
 
 def _run_layers(cfg, run: Run, plan: Plan, reader: Reader, source, owner: list[int], split: list[int],
-                t_start: float) -> dict:
+                t_start: float, predicted: dict) -> dict:
     """Restart point, the row-split pass, this rank's units layer by layer, the final stage."""
     rank, world = run.rank, run.world
     n = len(plan.blocks)
@@ -388,13 +428,15 @@ def _run_layers(cfg, run: Run, plan: Plan, reader: Reader, source, owner: list[i
     problems = [p for ps in every for p in ps]
     if problems:
         raise SqError(problems)
-    return _finish(cfg, run, plan, reader, source, start, t_start)
+    return _finish(cfg, run, plan, reader, source, start, t_start, predicted)
 
 
-def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_start: float) -> dict:
+def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_start: float, predicted: dict) -> dict:
     """Rank 0: root and carried tensors, config, side files, report, the index last; every rank learns how it went."""
     out = run.out
-    all_frags, all_skipped, _ = run.gather()
+    all_frags, all_skipped, ranks = run.gather({"rank": run.rank, "read_bytes": reader.bytes_read,
+                                                "predicted_read_bytes": (predicted.get("predicted_read_bytes")
+                                                                         or [None] * run.world)[run.rank]})
 
     def final() -> dict:  # rank 0
         frags = list(all_frags)
@@ -405,7 +447,8 @@ def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_sta
         report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
                   "assignment": plan.assignment, "world_size": run.world, "ignored_linears": sorted(plan.unquantized),
                   "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
-                  "seconds": round(time.perf_counter() - t_start, 3)}
+                  "seconds": round(time.perf_counter() - t_start, 3), "ranks": ranks,
+                  **({"time": predicted} if predicted else {})}
         run.write_final(source.config, config_groups(plan, set(skip)), sorted({*plan.unquantized, *skip}), report,
                         frags, lambda: writer.copy_side_files(source.root, out))
         return report

@@ -33,6 +33,7 @@ class Reader:
         self.source, self.layout, self.dtype = source, layout, dtype
         self.files: dict[str, tuple] = {}  # file -> (open file, start of its data section)
         self.lock = threading.Lock()
+        self.bytes_read = 0  # what this rank asked the files for (the report's, beside the prediction)
         fp32 = fp32_patterns(source.config, dtype)
         self.fp32 = re.compile("|".join(re.escape(p) for p in fp32)) if fp32 else None
 
@@ -71,6 +72,8 @@ class Reader:
             row_bytes = info.dtype.itemsize * math.prod(inner)
             first, shape, nbytes = ((e or 0) * rows + lo) * row_bytes, (hi - lo, *inner), (hi - lo) * row_bytes
         buf = torch.empty(nbytes, dtype=torch.uint8)
+        with self.lock:
+            self.bytes_read += nbytes
         path = self.source.path(info.file)
         try:
             pread_into(fd, buf, data + info.offsets[0] + first, path)

@@ -49,7 +49,8 @@ from sq.memory import HEAP_KEEP, HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
 from sq.pipeline.disk import block_output_bytes, size
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE, CALIB_BATCH
 
-__all__ = ["BlockShape", "MemoryFacts", "predict_memory", "predict_ranks", "memory_problems", "available_host_bytes", "Buffers"]
+__all__ = ["BlockShape", "MemoryFacts", "predict_memory", "predict_ranks", "memory_problems", "available_host_bytes", "Buffers",
+           "carried_bytes"]
 
 
 def _bytes(dtype: torch.dtype | None) -> int:
@@ -170,11 +171,12 @@ def predict_memory(model: nn.Module, targets, algo, *, rank: int | None = None, 
 def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: int, ep: int, nsamples: int,
                   seqlen: int, calibrated: bool, compute_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
                   calibrate_all_experts: bool = True, device: str = "cpu", resident: bool = False,
-                  bookkeeping: bool = True) -> dict[int, dict]:
+                  bookkeeping: bool = True, carried: int = 0) -> dict[int, dict]:
     """Each of ``ranks``' predicted peak and its parts (bytes), by rank: what does not depend on the rank (the
     block, the chain, the activations) is counted once per distinct block, only the algorithm's part per rank.
     ``resident``: the weights are in memory already (the Python API's model), so in ``base``: no root or shard
-    to fill."""
+    to fill.  ``carried``: the bytes of the checkpoint tensors the model has no slot for (an MTP layer), in the
+    model's dtype (FP8 ones dequantized), which rank 0 writes at the end (:func:`carried_bytes`)."""
     ranks = list(ranks)
     wb, cb = _bytes(weight_dtype), _bytes(compute_dtype or weight_dtype)
     hidden = int(model.get_input_embeddings().weight.shape[-1])
@@ -216,14 +218,29 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
             if total > worst[r]:
                 worst[r], parts[r] = total, {**p, "phase": phase, "peak_block": prefix}
     # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
-    # keeping them all for the root shard file and serializing that file in memory
-    final, final0 = 2 * root_full, 3 * root_full
+    # keeping them all for the root shard file and serializing that file in memory; then the carried tensors read
+    # (dequantized) and serialized (CARRIED_COPIES: fitted on the DeepSeek-V3 FP8 fixture's MTP layer)
+    final, final0 = 2 * root_full, max(3 * root_full, root_full + CARRIED_COPIES * carried)
     empty = {"phase": "forward", "peak_block": None, "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0}
     return {r: {"device": device, "rank": r, "algorithm_knob": algo.memory_knob, "base": base, "root": root,
                 **empty, **parts[r], "final": final,
                 "predicted_peak_bytes": base + root + max(worst[r], 0, final),  # every rank but 0
                 "predicted_peak_rank0_bytes": base + root + max(worst[r], 0, final0)}
             for r in ranks}
+
+
+CARRIED_COPIES = 4  # the dequantized tensors, their float32 chunks and source bytes, the serialized file
+
+
+def carried_bytes(plan, dtype: torch.dtype | None) -> int:
+    """The carried tensors (``plan.carried``: checkpoint keys with no slot in the model) at the model's dtype, as
+    rank 0 writes them (FP8 weights dequantized)."""
+    if plan is None:
+        return 0
+    size = _bytes(dtype)
+    return sum(math.prod(plan.source.tensors[k].shape) * (size if plan.source.tensors[k].dtype.itemsize == 1 else
+                                                           plan.source.tensors[k].dtype.itemsize)
+               for k in plan.carried if k in plan.source.tensors)
 
 
 def available_host_bytes() -> tuple[int | None, str]:

@@ -14,7 +14,7 @@ import torch
 
 from sq.memory import rss_bytes
 from sq.pipeline.disk import disk_need, disk_problems
-from sq.pipeline.footprint import memory_problems, predict_ranks
+from sq.pipeline.footprint import carried_bytes, memory_problems, predict_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def memory_preflight(p) -> tuple[list[str], dict]:
     kw = dict(base=rss_bytes(), world=p.world, ep=cfg.ep or 1, nsamples=cfg.nsamples, seqlen=cfg.seqlen,
               calibrated=p.calibrated, compute_dtype=p.compute_dtype or p.weight_dtype, weight_dtype=p.weight_dtype,
               calibrate_all_experts=cfg.calibrate_all_experts, device=p.device.type, resident=p.weights.in_memory,
-              bookkeeping=cfg.bookkeeping)
+              bookkeeping=cfg.bookkeeping, carried=carried_bytes(getattr(p.weights, "plan", None), p.weight_dtype))
     every = predict_ranks(p.model, p.targets, p.algo, ranks=range(p.world) if p.algo.rank_dependent_memory else [p.rank],
                           **kw)
     mine, worst = every[p.rank], max(every.values(), key=lambda m: m["predicted_peak_rank0_bytes"])
@@ -52,7 +52,9 @@ def job_times(model, targets, algo, *, rates, world: int, ep: int, plan, nsample
     the root's fill before them and its write at the end, after ``started`` seconds already spent (the process's
     start: measured), and the checkpoint bytes each rank reads.  ``plan``: the load plan (None: the weights are
     in memory, nothing read)."""
-    from sq.pipeline.timing import OPS_FINAL, OPS_PER_FILL, OPS_PER_PIECE_READ, OPS_START, Cost, predict_times, read_bytes
+    from sq.pipeline.footprint import carried_bytes
+    from sq.pipeline.timing import (FP8_DEQUANT_BYTES, OPS_FINAL, OPS_PER_FILL, OPS_PER_PIECE_READ, OPS_START, Cost,
+                                    predict_times, read_bytes)
 
     ranks = range(world)
     reads = read_bytes(model, plan, world=world, ep=ep, ranks=ranks) if plan is not None else None
@@ -63,7 +65,11 @@ def job_times(model, targets, algo, *, rates, world: int, ep: int, plan, nsample
     pieces = max((reads[r]["root_pieces"] for r in ranks), default=0) if reads is not None else 0
     t["start_seconds"] = round(started + rates.seconds(Cost(read=root, ops=OPS_START + OPS_PER_FILL
                                                             + OPS_PER_PIECE_READ * pieces)), 3)
-    t["final_seconds"] = round(rates.seconds(Cost(write=root * world, link=root * world, files=3, ops=OPS_FINAL)), 3)
+    # rank 0 at the end: the root gathered and written, the carried tensors read (FP8 ones dequantized) and written
+    carried = carried_bytes(plan, weight_dtype)
+    t["final_seconds"] = round(rates.seconds(Cost(write=root * world + carried, link=root * world, files=4,
+                                                  read=carried, ops=OPS_FINAL,
+                                                  mem=FP8_DEQUANT_BYTES * carried / 2 if plan is not None and plan.fp8 else 0)), 3)
     t["predicted_seconds"] = round(t["start_seconds"] + t["blocks_seconds"] + t["final_seconds"], 3)
     if reads is not None:
         t["predicted_read_bytes"] = [reads[r]["root"] + sum(reads[r]["blocks"]) for r in ranks]

@@ -19,7 +19,7 @@ elementwise passes (``mem``), its small ops (``op``: seconds each) and, on more 
 (``link``, ``collective``); GPTQ by timing GPTQ's own code on the job's scheme (``hessian``, ``factor``,
 ``column``, ``cell``); the disk by reading the checkpoint and writing durably beside the output.  The compute
 probes run on every rank at the same time, as the ranks will compute, on the job's own widths (about a
-second), and are kept per machine in the sq cache (``$SQ_CACHE_DIR/probes``) like ``sq.probe``'s; the disk's
+second), and are kept per machine in the sq cache (``$SQ_CACHE_DIR/rates``) as ``sq.probe``'s are; the disk's
 are measured every time.  What the probes do not see -- a forward's elementwise passes and small ops, a
 fill's and a write's fixed costs, a collective's rendezvous -- are constants fitted on this project's CPU runs
 (below), in units of the measured rates, so they scale with the machine.
@@ -61,7 +61,8 @@ OPS_PER_CALL = 120
 OPS_PER_EXPERT = 2000  # per expert and forward call: routing, gathers and the grouped matmul's set-up (fitted)
 OPS_PER_FILL = 15000
 OPS_PER_PIECE_READ = 1200  # a checkpoint tensor's box: DCP's planning and the read into its shard
-OPS_PER_TENSOR_WRITE = 60
+FP8_DEQUANT_BYTES = 250  # an FP8 element dequantized while read (its block's scale gathered, the casts), in bytes moved
+OPS_PER_TENSOR_WRITE = 350  # an output tensor packed, named and handed to the writer
 OPS_PER_WRITE = 20000  # a block's write stage: gathers of its small tensors, the background writer's hand-off
 WRITE_PASSES = 8  # elementwise passes packing a rank's share of the codes and scales
 OPS_PER_COLLECTIVE = 1000  # a collective between the ranks of one host (gloo): its rendezvous, in small ops
@@ -126,7 +127,6 @@ class CostFacts(MemoryFacts):
 
     fwd: Forwards | None = None
     top_k: int = 1  # experts per token
-    write_bytes: int = 0  # this rank's share of the block's output
 
 
 def top_k_of(config) -> int:
@@ -168,7 +168,9 @@ def predict_times(model, targets, algo, *, ranks, rates: Rates, world: int, ep: 
                   calibrated: bool, compute_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
                   reads: dict[int, dict] | None = None, calibrate_all_experts: bool = True) -> dict:
     """The job's predicted seconds, by phase and block: each block's phase as long as the slowest of ``ranks``
-    takes (the ranks meet in the phase's collectives).  ``reads[r]``: what rank ``r`` reads (:func:`read_bytes`;
+    takes (the ranks meet in the phase's collectives); and the collectives a rank joins per block (FSDP2's
+    gathers, GPTQ's Hessian all-reduces and its gathers to each stack's solver, the writers' gathers), and their
+    bytes, averaged over the blocks.  ``reads[r]``: what rank ``r`` reads (:func:`read_bytes`;
     None: the weights are in memory)."""
     from sq.pipeline.disk import block_output_bytes
 
@@ -179,7 +181,7 @@ def predict_times(model, targets, algo, *, ranks, rates: Rates, world: int, ep: 
     hidden = int(model.get_input_embeddings().weight.shape[-1])
     top_k, attn = top_k_of(config), _attention_width(config, hidden)
     samples = math.ceil(nsamples / world) if calibrated else 0
-    total, blocks = dict.fromkeys(PHASES, 0.0), []
+    total, blocks, collectives = dict.fromkeys(PHASES, 0.0), [], [0.0, 0.0]
     cache: dict = {}
     for b, (prefix, blk) in enumerate(targets.blocks):
         shape = block_shape(blk, targets.linears[b], targets.experts[b])
@@ -191,26 +193,34 @@ def predict_times(model, targets, algo, *, ranks, rates: Rates, world: int, ep: 
             fwd = (forwards(shape, base, top_k=top_k, attn_width=attn, n_modules=n_modules,
                             units=1 + len(shape.experts_modules)) if samples else None)
             facts = CostFacts(**{f.name: getattr(base, f.name) for f in dataclasses.fields(MemoryFacts)},
-                              fwd=fwd, write_bytes=written, top_k=top_k)
+                              fwd=fwd, top_k=top_k)
             phases: dict[str, float] = {}
+            comm = [0.0, 0.0]  # the block's collectives and their bytes, the most any rank joins
             for r in ranks:
                 work = algo.cost(dataclasses.replace(facts, rank=r))
                 if fwd is not None and "forward" not in work:  # the quantized block, for the next one's inputs
                     work["forward"] = fwd.routed
                 for k, w in work.items():
                     phases[k] = max(phases.get(k, 0.0), rates.seconds(w))
+                comm = max(comm, [sum(w.collectives for w in work.values()), sum(w.link for w in work.values())])
             elems = sum(i * o for i, o in shape.linears) + sum(n * 3 * h * i for n, h, i in shape.experts_modules)
             # gathered: the small tensors (norms, routers) whole; each Linear's codes and scales onto its writer, unless
             # solved whole there (GPTQ on more than one rank)
             gathers = len(shape.params) - len(shape.linears) - 2 * len(shape.experts_modules)
             gathers += 0 if algo.sweeps else 3 * len(shape.linears)
+            # this rank's share of the output tensors: codes, scales and zero points or shape of each Linear and of each
+            # expert's three projections
+            tensors = (3 * len(shape.linears) + 9 * sum(n for n, _, _ in shape.experts_modules)) / world
             phases["write"] = rates.seconds(Cost(write=written, files=FILES_PER_BLOCK, mem=WRITE_PASSES * 4 * elems / world,
-                                                 ops=OPS_PER_WRITE + OPS_PER_TENSOR_WRITE * 3 * len(shape.params),
+                                                 ops=OPS_PER_WRITE + OPS_PER_TENSOR_WRITE * tensors,
                                                  collectives=max(gathers, 0) if world > 1 else 0))
-            cache[key] = phases
-        phases = dict(cache[key])
+            comm[0] += max(gathers, 0) if world > 1 else 0
+            cache[key] = phases, comm
+        phases, comm = dict(cache[key][0]), cache[key][1]
+        collectives[0] += comm[0]
+        collectives[1] += comm[1]
         if reads is not None:
-            phases["fill"] = max(rates.seconds(Cost(read=reads[r]["blocks"][b],
+            phases["fill"] = max(rates.seconds(Cost(read=reads[r]["blocks"][b], mem=FP8_DEQUANT_BYTES * reads[r]["fp8"][b],
                                                     ops=OPS_PER_FILL + OPS_PER_PIECE_READ * reads[r]["pieces"][b]))
                                  for r in ranks)
         if b + 1 == len(targets.blocks):
@@ -218,8 +228,10 @@ def predict_times(model, targets, algo, *, ranks, rates: Rates, world: int, ep: 
         for k, v in phases.items():
             total[k] = total.get(k, 0.0) + v
         blocks.append(round(sum(phases.values()), 4))
+    n = max(len(blocks), 1)
     return {"phases": {k: round(v, 3) for k, v in total.items()}, "blocks": blocks,
-            "blocks_seconds": round(sum(blocks), 3)}
+            "blocks_seconds": round(sum(blocks), 3), "collectives_per_block": round(collectives[0] / n, 1),
+            "collective_bytes_per_block": int(collectives[1] / n)}
 
 
 # ---- rates
@@ -374,17 +386,34 @@ def _link_rate() -> float:
         b.close()
 
 
+def _read_rate(src) -> float:
+    """Bytes/s reading the checkpoint: from the page cache where the whole checkpoint fits in the memory this
+    machine has available (a job re-reading it finds it there), else from the disk -- the middle ``PROBE_BYTES``
+    of its largest file, dropped from the cache first (``posix_fadvise``), then read."""
+    from sq.pipeline.footprint import available_host_bytes
+
+    files = sorted(src.glob("*.safetensors"), key=lambda p: -p.stat().st_size) if src is not None else []
+    if not files:
+        return 2e9
+    total = sum(f.stat().st_size for f in files)
+    fits = total < (available_host_bytes()[0] or 0)
+    with open(files[0], "rb", buffering=0) as f:
+        at = max(0, files[0].stat().st_size // 2 - PROBE_BYTES // 2) // 4096 * 4096
+        if not fits and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), at, PROBE_BYTES, os.POSIX_FADV_DONTNEED)
+        for _ in range(1 if not fits else 2):  # (where it fits: the second read, from the cache)
+            t = time.perf_counter()
+            n = len(os.pread(f.fileno(), PROBE_BYTES, at))
+            dt = time.perf_counter() - t
+    return max(n, 1 << 20) / max(dt, 1e-6)
+
+
 def _io_rates(src, out_dir) -> dict[str, float]:
-    """Reading the checkpoint's largest file (its first ``PROBE_BYTES``: the page cache answers as it will for the
-    job), writing as much beside the output folder durably, and one small file durably (fsync and the folder's)."""
+    """Reading the checkpoint (:func:`_read_rate`), writing ``PROBE_BYTES`` beside the output folder durably, and
+    one small file durably (fsync and the folder's)."""
     out = {"read": 2e9, "write": 1e9, "file": 0.005}
     try:
-        files = sorted(src.glob("*.safetensors"), key=lambda p: -p.stat().st_size) if src is not None else []
-        if files:
-            with open(files[0], "rb", buffering=0) as f:
-                t = time.perf_counter()
-                n = len(f.read(PROBE_BYTES))
-                out["read"] = max(n, 1 << 20) / max(time.perf_counter() - t, 1e-6)
+        out["read"] = _read_rate(src)
         where = out_dir if out_dir is not None and out_dir.is_dir() else None
         for name, data in (("file", b"x" * 4096), ("write", os.urandom(1 << 20) * (PROBE_BYTES >> 21))):
             with tempfile.NamedTemporaryFile(dir=where) as f:
@@ -419,7 +448,7 @@ def probe_rates(*, shapes, heads: int, seqlen: int, compute_dtype: torch.dtype, 
                       "torch": torch.__version__, "threads": torch.get_num_threads(), "local_world": local_world,
                       "machine": platform.processor() or platform.machine(), "node": platform.node(),
                       "device": device.type, "v": 6}, sort_keys=True, default=str)
-    path = default_cache_dir(os.environ) / "probes" / ("rates-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    path = default_cache_dir(os.environ) / "rates" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
     try:
         compute = {k: float(v) for k, v in json.loads(path.read_text()).items()}
         source = "cached"
@@ -472,8 +501,8 @@ def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
 
 def read_bytes(model, plan, *, world: int, ep: int, ranks) -> dict[int, dict]:
     """The checkpoint bytes each of ``ranks`` reads (what its load asks the files for: ``SqStorageReader.
-    bytes_read``) and the checkpoint pieces it reads them from: ``{"root": n, "root_pieces": k, "blocks": [n per
-    block], "pieces": [k per block]}``.  Dense parameters are FSDP2's dim-0 chunks over the world, buffers whole;
+    bytes_read``), the checkpoint pieces it reads them from and the FP8 elements it dequantizes while reading:
+    ``{"root": n, "root_pieces": k, "blocks": [n per block], "pieces": [k per block], "fp8": [e per block]}``.  Dense parameters are FSDP2's dim-0 chunks over the world, buffers whole;
     experts under ``--ep`` split by expert over the ep ranks and by row over dp (``sq.parallel.expert``);
     an FP8 weight's box reads the scale blocks it touches too."""
     from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
@@ -500,10 +529,10 @@ def read_bytes(model, plan, *, world: int, ep: int, ranks) -> dict[int, dict]:
             off[0], lengths[0] = _chunk(shape[0], world, r)
         return off, lengths
 
-    def nbytes(name: str, r: int) -> tuple[int, int]:
-        """(bytes, checkpoint pieces) rank ``r`` reads for target ``name``."""
+    def nbytes(name: str, r: int) -> tuple[int, int, int]:
+        """(bytes, checkpoint pieces, FP8 elements dequantized) rank ``r`` reads for target ``name``."""
         lo, n = local(name, r)
-        total = pieces = 0
+        total = pieces = fp8 = 0
         for piece in plan.keymap.pieces.get(name, []):
             box_lo, box_n = [], []
             for d, (a, la, b, lb) in enumerate(zip(lo, n, piece.offsets, piece.lengths)):
@@ -522,15 +551,16 @@ def read_bytes(model, plan, *, world: int, ep: int, ranks) -> dict[int, dict]:
                 total += math.prod(box_n) * info.dtype.itemsize
                 if piece.ckpt_key in scales and len(box_n) == 2:
                     total += math.prod(scale_box(box_lo, box_n, block)[1]) * tensors[scales[piece.ckpt_key]].dtype.itemsize
-        return total, pieces
+                    fp8 += math.prod(box_n)
+        return total, pieces, fp8
 
-    def summed(names, r: int) -> tuple[int, int]:
+    def summed(names, r: int) -> tuple[int, ...]:
         got = [nbytes(n, r) for n in names]
-        return sum(g[0] for g in got), sum(g[1] for g in got)
+        return tuple(sum(g[i] for g in got) for i in range(3))
 
     out = {}
     for r in ranks:
         root, blocks = summed(plan.root_names, r), [summed(names, r) for names in plan.block_names]
         out[r] = {"root": root[0], "root_pieces": root[1], "blocks": [b[0] for b in blocks],
-                  "pieces": [b[1] for b in blocks]}
+                  "pieces": [b[1] for b in blocks], "fp8": [b[2] for b in blocks]}
     return out

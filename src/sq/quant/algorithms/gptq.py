@@ -186,8 +186,11 @@ class GPTQAlgorithm(Algorithm):
         for n, rows in stacks:  # (and the reported error through H: 2 rows n^2)
             solve = solve + Cost(factor=n**3, solves=1, columns=n, cells=n * rows, gemm32=2 * rows * n * n)
         for n_e, h, i in b.experts_modules:
-            own, dp = facts.owned_experts(n_e), max(1, world // facts.ep)
-            group = t * facts.ep  # the tokens every expert of this rank's --ep group sees (calibrate-all)
+            # --ep E: E/ep experts a rank, their rows split over dp = world/ep; --ep 1: FSDP2 splits the experts
+            # themselves over the world, rows whole.  Its experts see the tokens of the ranks holding the others
+            split = facts.ep if facts.ep > 1 else world
+            own, dp = math.ceil(n_e / split), (world // facts.ep if facts.ep > 1 else 1)
+            group = t * split  # the tokens every expert sees (calibrate-all: gathered from the other ranks)
             routed = group * min(1.0, facts.top_k / n_e)
             up_rows, down_rows = math.ceil(2 * i / dp), math.ceil(h / dp)
             if facts.calibrate_all_experts:
