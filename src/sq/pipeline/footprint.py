@@ -204,7 +204,8 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
         chain = facts.chain * (copies * (2 if algo.fp_chain else 1))
         acts = [(step * hidden * cb, ACT_HIDDEN), (step * shape.widest * cb, ACT_WIDE)] if step else []
         for r in ranks:
-            held, solve = algo.memory(dataclasses.replace(facts, rank=r)) if calibrated else ([], [])
+            held, solve = (algo.memory(dataclasses.replace(facts, rank=r)) if calibrated or not algo.calibrated
+                           else ([], []))
             # a calibration forward's transients and a solve's never coexist: the block's peak is the larger phase
             phase = "solve" if _sum(solve) > _sum(acts) else "forward"
             p = {"block": _sum(block), "chain": _sum(chain), "activations": _sum(acts) if phase == "forward" else 0,

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from sq.memory import rss_bytes
+from sq.memory import rss_bytes, trim_heap
 from sq.pipeline.disk import disk_need, disk_problems
 from sq.pipeline.footprint import carried_bytes, memory_problems, predict_ranks
 
@@ -115,6 +115,8 @@ def time_preflight(p) -> dict:
     except Exception as e:  # noqa: BLE001
         logger.warning("time not predicted: %s: %s", type(e).__name__, e)
         return {}
+    finally:  # the probes' buffers (under the mmap threshold: from the C heap) go back now, not at block 0's peak
+        trim_heap()
 
 
 def _time_preflight(p) -> dict:

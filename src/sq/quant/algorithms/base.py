@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -131,9 +132,13 @@ class Algorithm:
         """The buffers this algorithm adds to a block beyond the pipeline's own (the block's shard and gathered
         copy, the solve's rows, two chains, a forward's activations), as ``(bytes, count)`` pairs (the heap
         keeps the small ones: ``sq.pipeline.footprint``): those held through the block's forwards, and those
-        only its solve allocates (never beside a forward's activations).  ``facts``: ``MemoryFacts``.  RTN
-        adds nothing."""
-        return [], []
+        only its solve allocates (never beside a forward's activations).  ``facts``: ``MemoryFacts``.  RTN: its
+        solve's float32 working copies (the weight, its scaled and its rounded values) of the largest weight it
+        solves at once -- this rank's rows of a Linear, or one expert's projection."""
+        b = facts.block
+        largest = max([math.ceil(o / facts.world) * i for i, o in b.linears]
+                      + [2 * i * h for _, h, i in b.experts_modules], default=0)
+        return [], [(4 * largest, 3)] if largest else []
 
     def cost(self, facts) -> dict[str, Cost]:
         """What this algorithm does to a block, by phase (``calibrate``, ``solve``, ``forward``), for the time
