@@ -154,10 +154,14 @@ def table() -> None:
             r = json.loads((WORK / name / "sq_report.json").read_text())
         except OSError:
             continue
-        if "memory" not in r:  # model-free: no memory prediction
+        if "memory" not in r:
             continue
         m, ranks = r["memory"], sorted(r["ranks"], key=lambda x: x["rank"])
-        parts = " / ".join(str(m[k] >> 20) for k in ("root", "block", "chain", "activations", "algorithm", "heap"))
+        if r.get("mode") == "model-free":  # its own parts (sq.modelfree.footprint), in the same columns' order
+            parts = " / ".join(str(m[k] >> 20) for k in ("units", "layer", "split", "heap")) + \
+                " (model-free: units / layer / split / heap)"
+        else:
+            parts = " / ".join(str(m[k] >> 20) for k in ("root", "block", "chain", "activations", "algorithm", "heap"))
         pred = ", ".join(str(x["predicted_peak_bytes"] >> 20) for x in ranks)
         meas = ", ".join(str(x["peak_rss_bytes"] >> 20) for x in ranks)
         err = ", ".join(f"{x['predicted_peak_bytes'] / x['peak_rss_bytes'] - 1:+.1%}" for x in ranks)

@@ -206,3 +206,23 @@ def test_fp4_packing_equals_the_library_on_any_input(dtype):
     for shape in [(1, 2), (64, 32), (333, 128)]:
         x = vals[torch.randint(0, len(vals), shape, generator=g)].to(dtype)
         assert torch.equal(pack_fp4_cpu(x), ImplBackend.call("pack_fp4_to_uint8", x)), shape
+
+
+def test_int_packing_is_the_librarys_bit_for_bit():
+    """sq's lean int packer (``sq.formats.specs.pack_int32``: no int64 index copies, so no heap churn) against
+    ``compressed_tensors``' ``pack_to_int32`` on every width it takes over, odd column counts (padding), both
+    packed dimensions (weights along ``in``, asymmetric zero points along ``out``) and the extreme codes."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from sq.formats.specs import pack_int32
+
+    g = torch.Generator().manual_seed(0)
+    for bits in (2, 3, 4, 8):
+        lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+        for shape in [(1, 1), (3, 33), (64, 128), (37, 1000)]:
+            x = torch.randint(lo, hi, shape, generator=g, dtype=torch.int8)
+            x.view(-1)[:2] = torch.tensor([lo, hi - 1], dtype=torch.int8)[: x.numel()]
+            for dim in (0, 1):
+                want = pack_to_int32(x, bits, packed_dim=dim)
+                got = pack_int32(x, bits, packed_dim=dim)
+                assert got.dtype == torch.int32 and torch.equal(got, want), (bits, shape, dim)

@@ -160,7 +160,7 @@ def test_experts_sharing_one_hessian_are_solved_stacked_with_per_expert_bits(sch
                      state={"calibs": {id(ex): calib}})
     names, real = [], alg._rows
     monkeypatch.setattr(alg, "_rows", lambda g, w, sc, name, *a, **k: names.append(name) or real(g, w, sc, name, *a, **k))
-    got = {p: alg.solve_experts(work, "mlp.experts", ex, p, ex._parameters[p], 0, s) for p in ("gate_up_proj", "down_proj")}
+    got = {p: list(alg.solve_experts(work, "mlp.experts", ex, p, ex._parameters[p], 0, s)) for p in ("gate_up_proj", "down_proj")}
     assert alg.fallback_experts(work) == []
     assert [n for n in names if "gate_up" in n] == [f"mlp.experts.{r}.gate_up_proj" for r in ("0-2", "3-5", "6-7")]
     for e, w in enumerate(want):

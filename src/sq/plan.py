@@ -60,7 +60,8 @@ def build_parser():
 
 
 def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cpu", host_memory: float | None = None,
-             gpu_memory: float | None = None, rates=None, t0: float | None = None) -> tuple[dict, list[str]]:
+             gpu_memory: float | None = None, rates=None, t0: float | None = None,
+             model_free: bool = False) -> tuple[dict, list[str]]:
     """The predictions ``sq.ptq`` makes at start, without a process group or any weight read: each rank's memory
     (``sq.pipeline.footprint``; this process's own memory stands for a rank's base) and the job's disk (which
     does not depend on the ranks: each writes its share into the one output folder).  ``host_memory`` /
@@ -82,6 +83,17 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
 
     if nproc_per_node < 1 or nnodes < 1:
         raise SqError(f"--nproc-per-node and --nnodes must be >= 1, got {nproc_per_node} and {nnodes}")
+    from sq import modelfree
+
+    if modelfree.wanted(cfg, model_free):  # as sq.ptq decides it (asked for, or an architecture transformers lacks)
+        if device != "cpu":
+            raise SqError("--model-free quantizes on the CPU; plan it without --device cuda")
+        from sq.modelfree.footprint import plan_model_free
+
+        return plan_model_free(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                               available=None if host_memory is None else int(host_memory * GiB),
+                               where=None if host_memory is None else "--host-memory", rates=rates,
+                               started=time.perf_counter() - (t0 if t0 is not None else time.perf_counter()))
     world = nproc_per_node * nnodes
     assigner = cfg.assigner()
     src = resolve_model(cfg.model)
@@ -119,7 +131,9 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     stated = gpu_memory if device == "cuda" else host_memory
     mem_problems, mem_facts = memory_problems(
         memory, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),
-        where=None if stated is None else f"--{'gpu' if device == 'cuda' else 'host'}-memory")
+        where=None if stated is None else f"--{'gpu' if device == 'cuda' else 'host'}-memory",
+        host_available=None if host_memory is None else int(host_memory * GiB),
+        host_where=None if host_memory is None else "--host-memory")
     timing = None
     if rates is not None:
         timing = job_times(model, targets, algo, rates=rates, world=world, ep=ep, plan=load, nsamples=cfg.nsamples,
@@ -141,10 +155,8 @@ def _calib_dtype(cfg, targets, algo, weight_dtype, device: str, calibrated: bool
 
     if not calibrated or weight_dtype is None:
         return torch.float32, torch.float32
-    block = targets.blocks[0][1] if targets.blocks else None
-    shapes = sorted({(m.in_features, m.out_features) for m in block.modules() if isinstance(m, torch.nn.Linear)}
-                    if block is not None else (), key=lambda s: -s[0] * s[1])[:3]
-    choice = calib_dtype_choice(cfg.calib_dtype, shapes, weight_dtype, torch.device(device), half=algo.half_forwards)
+    choice = calib_dtype_choice(cfg.calib_dtype, targets.linear_shapes(3), weight_dtype, torch.device(device),
+                                half=algo.half_forwards)
     chain = choice.dtype or weight_dtype
     return chain, choice.autocast or chain
 
@@ -155,27 +167,45 @@ def _print(plan: dict) -> None:
     free, m = plan.get("free_bytes"), plan["memory"]
     unit = "GPU" if m["device"] == "cuda" else "host"
     avail = m.get("available_bytes")
+    free_mode = plan.get("mode") == "model-free"
     lines = [
+        f"sq.plan: {plan['model']} -- model-free: {plan['quantized_linears']} of {plan['units']} units quantized over "
+        f"{plan['blocks']} layers ({plan['row_split']} row-split), --algo {plan['algo']}, {plan['world']} rank(s) "
+        f"({plan['nproc_per_node']} per node)" if free_mode else
         f"sq.plan: {plan['model']} -- {plan['quantized_linears']} Linears and {plan['experts_modules']} experts modules "
         f"quantized over {plan['blocks']} blocks, --algo {plan['algo']}, {plan['world']} rank(s) "
         f"({plan['nproc_per_node']} per node), --ep {plan['ep']}",
         f"memory per rank ({unit}{'; base is host memory' if unit == 'GPU' else ''}):",
         f"  base           {m['base'] / GiB:9.3f} GiB  (a rank's process before it loads: this one's, measured)",
-        *(f"  {k:<14} {m[k] / GiB:9.3f} GiB" for k in PARTS),
-        f"  final          {m['final'] / GiB:9.3f} GiB  (the root gathered whole at the end; rank 0 holds more)",
+        *(f"  {k:<14} {m[k] / GiB:9.3f} GiB" for k in m.get("parts", PARTS)),
+        f"  final          {m['final'] / GiB:9.3f} GiB  (" + ("rank 0's root and carried tensors at the end)" if free_mode
+                                                           else "the root gathered whole at the end; rank 0 holds more)"),
         f"  peak           {m['predicted_peak_bytes'] / GiB:9.3f} GiB  (rank 0: {m['predicted_peak_rank0_bytes'] / GiB:.3f} GiB)",
         f"  {'one GPU' if unit == 'GPU' else 'one node'} needs {m['need_bytes'] / GiB:7.3f} GiB, "
         + (f"has {avail / GiB:.3f} GiB ({m['where']})" if avail is not None else "its memory unknown (--gpu-memory)"),
+        *([f"  host side      {m['host_block'] / GiB:9.3f} GiB  (a block's files and chain cache serialized, its shard "
+           f"staged; rank 0 at the end: {m['host_final'] / GiB:.3f} GiB)",
+           f"  host peak      {m['predicted_host_peak_bytes'] / GiB:9.3f} GiB  (rank 0: "
+           f"{m['predicted_host_peak_rank0_bytes'] / GiB:.3f} GiB); one node needs {m['host_need_bytes'] / GiB:.3f} GiB, "
+           + (f"has {m['host_available_bytes'] / GiB:.3f} GiB ({m['host_where']})" if m.get("host_available_bytes")
+              is not None else "its memory unknown")] if unit == "GPU" else []),
         "disk:",
         f"  checkpoint     {plan['predicted_output_bytes'] / GiB:9.3f} GiB",
         f"  resume state   {plan['predicted_state_bytes'] / GiB:9.3f} GiB  (chain files at their peak, "
-        f"{plan['chain_dtype']})",
+        f"{plan.get('chain_dtype', 'none')})",
         f"  disk needed    {plan['need_bytes'] * SLACK / GiB:9.3f} GiB  (with {SLACK - 1:.0%} for the index, report "
         "and logs)",
         f"  free there     {free / GiB:9.3f} GiB" if free is not None else f"  free there     unknown ({plan['error']})",
     ]
     t = plan.get("time")
-    if t:
+    if t and free_mode:
+        reads = t["predicted_read_bytes"]
+        lines += [f"time ({'stated rates' if t['rates']['source'] == 'stated' else 'this machine, probed'}; the ranks "
+                  "meet only at the end):",
+                  *(f"  rank {r:<9} {v:9.1f} s" for r, v in enumerate(t["ranks_seconds"])),
+                  f"  total          {t['predicted_seconds']:9.1f} s  ({t['predicted_seconds'] / 3600:.2f} h)",
+                  f"  read per rank  {max(reads) / GiB:9.3f} GiB  (the largest; {sum(reads) / GiB:.3f} GiB over the ranks)"]
+    elif t:
         reads = t.get("predicted_read_bytes") or [0]
         lines += [f"time ({'stated rates' if t['rates']['source'] == 'stated' else 'this machine, probed'}; each block "
                   "phase as its slowest rank):",
@@ -208,7 +238,8 @@ def main(argv=None) -> int:
         rates = None if a.tflops is None else stated_rates(tflops=a.tflops, mem_gbs=a.mem_bandwidth,
                                                            read_gbs=a.read_bandwidth, link_gbs=a.link_bandwidth)
         plan, problems = plan_job(config_from(a), nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, device=a.device,
-                                  host_memory=a.host_memory, gpu_memory=a.gpu_memory, rates=rates, t0=t0)
+                                  host_memory=a.host_memory, gpu_memory=a.gpu_memory, rates=rates, t0=t0,
+                                  model_free=a.model_free)
         print(json.dumps(plan)) if a.json else _print(plan)
         if problems:
             raise SqError(problems)

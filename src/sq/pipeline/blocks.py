@@ -60,6 +60,7 @@ from sq.quant.experts import (
     is_ep_param,
     segment_rows,
     slot_rows,
+    take_solved,
 )
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
@@ -193,11 +194,8 @@ class _Pipeline:
             sig = self.run.recorded_signature()
             recorded = ((sig or {}).get("args") or {}).get("calib_dtype")
             recorded = recorded if recorded in ("float32", "model", "mixed") else None
-        block = self.targets.blocks[0][1] if self.targets.blocks else None
-        shapes = sorted({(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)}
-                        if block is not None else (), key=lambda s: -s[0] * s[1])[:3]
-        return calib_dtype_choice(self.cfg.calib_dtype, shapes, self.weight_dtype, self.device, recorded=recorded,
-                                  half=self.algo.half_forwards)
+        return calib_dtype_choice(self.cfg.calib_dtype, self.targets.linear_shapes(3), self.weight_dtype, self.device,
+                                  recorded=recorded, half=self.algo.half_forwards)
 
     def restart_point(self) -> int:
         """The largest block every rank can restart from; keeps the manifests' blocks before it."""
@@ -368,16 +366,8 @@ class _Pipeline:
             expert_q[eprefix] = {}
             for pname in EXPERT_PARAMS:
                 local, off = local_box(ex._parameters[pname])
-                solved = self.algo.solve_experts(work, eprefix, ex, pname, local, off[0], scheme)
-                for i, s in enumerate(solved):
-                    local[i].copy_(s.deq)
-                expert_q[eprefix][pname] = (
-                    torch.stack([s.q for s in solved]) if solved else None,
-                    torch.stack([s.scale for s in solved]) if solved else None,
-                    torch.stack([s.zero_point for s in solved]) if solved and solved[0].zero_point is not None
-                    else None,
-                    [s.global_scale for s in solved])
-                del solved  # this projection's rows and codes (its codes stacked) before the next one is solved
+                expert_q[eprefix][pname] = take_solved(
+                    self.algo.solve_experts(work, eprefix, ex, pname, local, off[0], scheme), local)
         self.algo.release(work)
         return results, expert_q
 

@@ -27,7 +27,10 @@ A rank's peak is counted in parts, each from the model on the meta device and th
     final        the end: the root tensors gathered whole (every rank), kept and serialized for the
                  root shard file (rank 0)
 
-and the peak is ``base + root + max(the largest block's phase, final)``.  On a GPU the parts after ``base`` are device memory.  The preflight
+and the peak is ``base + root + max(the largest block's phase, final)``.  On a GPU the parts after ``base`` are device
+memory, and the host side is counted apart: the block's files and the chain cache serialized in host memory by the
+background writer while the next block's shard is staged there, and rank 0's root and carried tensors at the end
+(``predicted_host_peak_bytes``; no GPU has measured it yet).  The preflight
 refuses a job whose ranks on one node would need more than the node has available
 (``MemAvailable``, a cgroup's limit) or a GPU more than it has free, naming the knobs that shrink
 each part; the report keeps the prediction beside each rank's measured peak
@@ -146,7 +149,7 @@ def _block_buffers(shape: BlockShape, f: MemoryFacts, resident: bool) -> Buffers
     """The block in flight: this rank's shard of each parameter (unless resident); FSDP2's all-gather of the
     unit in the compute dtype, one flat buffer (under --ep the experts stay out of it: each rank runs its own
     experts, cast where the compute dtype differs, their rows gathered where dp splits them); each Linear's
-    rows a solve copies, and what it returns (codes and dequantized rows); the owned experts' likewise."""
+    rows a solve copies, and what it returns (codes and dequantized rows); the owned experts' stacked codes."""
     wb, cb, world, ep = f.weight_bytes, f.compute_bytes, f.world, f.ep
     out: Buffers = [] if resident else [(math.ceil(n / world) * wb, 1) for n, _ in shape.params]
     experts = shape.experts
@@ -155,8 +158,8 @@ def _block_buffers(shape: BlockShape, f: MemoryFacts, resident: bool) -> Buffers
     if ep > 1 and experts and (world > ep or cb != wb):
         out.append((math.ceil(experts / ep) * cb, 1))
     out += [(math.ceil(o / world) * i * (2 * wb + 1), 1) for i, o in shape.linears]
-    if experts:  # solved one projection at a time: gate_up's (2/3 of an expert) codes and rows, and its codes stacked
-        out.append((math.ceil(2 * experts / 3 / world) * (wb + 2), 1))
+    if experts:  # solved one expert at a time into stacks of codes (one byte an element) kept to the write
+        out.append((math.ceil(experts / world), 1))
     return out
 
 
@@ -186,6 +189,7 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
     root = 0 if resident else math.ceil(root_full / world)
     samples = math.ceil(nsamples / world) if calibrated else 0
     worst, parts, seen = dict.fromkeys(ranks, -1), {r: {} for r in ranks}, set()
+    host_block = 0
     for b, (prefix, blk) in enumerate(targets.blocks):
         shape = block_shape(blk, targets.linears[b], targets.experts[b])
         key = (shape, tuple(id(l.scheme) for l in targets.linears[b]), tuple(id(e.scheme) for e in targets.experts[b]))
@@ -203,6 +207,11 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
         copies = 2 + bool(bookkeeping)
         chain = facts.chain * (copies * (2 if algo.fp_chain else 1))
         acts = [(step * hidden * cb, ACT_HIDDEN), (step * shape.widest * cb, ACT_WIDE)] if step else []
+        if device == "cuda":  # the host side: the block's files and chain cache moved to host memory and serialized
+            # there (by the background writer, while the next block's shard is staged through host buffers)
+            host_block = max(host_block, 2 * written + (_sum(facts.chain) * (2 if algo.fp_chain else 1) * 2
+                                                        if bookkeeping else 0)
+                             + (0 if resident else math.ceil(_sum([(n, 1) for n, _ in shape.params]) * wb / world)))
         for r in ranks:
             held, solve = (algo.memory(dataclasses.replace(facts, rank=r)) if calibrated or not algo.calibrated
                            else ([], []))
@@ -221,16 +230,21 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
     # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
     # keeping them all for the root shard file and serializing that file in memory; then the carried tensors read
     # (dequantized) and serialized (CARRIED_COPIES: fitted on the DeepSeek-V3 FP8 fixture's MTP layer)
-    final, final0 = 2 * root_full, max(3 * root_full, root_full + CARRIED_COPIES * carried)
+    final, final0 = 2 * root_full, max(3 * root_full, root_full + int(CARRIED_COPIES * carried))
     empty = {"phase": "forward", "peak_block": None, "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0}
+    host = {}
+    if device == "cuda":  # the root written from host memory at the end (rank 0: kept and serialized; the carried)
+        host = {"host_block": host_block, "host_final": final0,
+                "predicted_host_peak_bytes": base + max(host_block, 0),
+                "predicted_host_peak_rank0_bytes": base + max(host_block, final0)}
     return {r: {"device": device, "rank": r, "algorithm_knob": algo.memory_knob, "base": base, "root": root,
                 **empty, **parts[r], "final": final,
                 "predicted_peak_bytes": base + root + max(worst[r], 0, final),  # every rank but 0
-                "predicted_peak_rank0_bytes": base + root + max(worst[r], 0, final0)}
+                "predicted_peak_rank0_bytes": base + root + max(worst[r], 0, final0), **host}
             for r in ranks}
 
 
-CARRIED_COPIES = 4  # the dequantized tensors, their float32 chunks and source bytes, the serialized file
+CARRIED_COPIES = 3.5  # the dequantized tensors, their float32 chunks and source bytes, the serialized file
 
 
 def carried_bytes(plan, dtype: torch.dtype | None) -> int:
@@ -289,7 +303,9 @@ PARTS = ("root", "block", "chain", "activations", "algorithm", "heap")
 
 
 def memory_problems(pred: dict, *, local_world: int | None = None, started: bool = True,
-                    available: int | None = None, where: str | None = None) -> tuple[list[str], dict]:
+                    available: int | None = None, where: str | None = None, parts: tuple = PARTS,
+                    knobs: dict = KNOBS, by: str = "sq.pipeline.footprint", host_available: int | None = None,
+                    host_where: str | None = None) -> tuple[list[str], dict]:
     """Refusal when the ranks of one node (``LOCAL_WORLD_SIZE``) would need more host memory than the node has,
     or one GPU more than it has free; the numbers for the report.
 
@@ -311,13 +327,34 @@ def memory_problems(pred: dict, *, local_world: int | None = None, started: bool
             available, where = available_host_bytes()
         what = f"the {local_world} rank(s) of one node"
     where = where or "the stated memory"
-    biggest = max(PARTS, key=lambda k: pred.get(k, 0))
-    knob = pred["algorithm_knob"] if biggest == "algorithm" else KNOBS[biggest]
-    facts = {"need_bytes": need, "available_bytes": available, "where": where, "local_ranks": local_world}
+    host_problems, host_facts = _host_side(pred, local_world, started, host_available, host_where) if gpu else ([], {})
+    biggest = max(parts, key=lambda k: pred.get(k, 0))
+    knob = pred["algorithm_knob"] if biggest == "algorithm" else knobs[biggest]
+    facts = {"need_bytes": need, "available_bytes": available, "where": where, "local_ranks": local_world, **host_facts}
+    if available is None or need <= available:
+        return host_problems, facts
+    listed = ", ".join(f"{k} {size(pred[k])}" for k in parts if pred.get(k))
+    held = f" beyond the {size(pred['base'])} each holds now" if started and not gpu else ""
+    return [f"{'GPU' if gpu else 'host'} memory: {what} would need about {size(need)}{held} (per rank: {listed}; "
+            f"predicted by {by}), and {where} gives {size(available)}; the largest part is the "
+            f"{biggest}: {knob}; or pass --no-preflight to try anyway"] + host_problems, facts
+
+
+def _host_side(pred: dict, local_world: int, started: bool, available: int | None,
+               where: str | None) -> tuple[list[str], dict]:
+    """A GPU job's host memory: each rank's process and what passes through host memory (the block's files and
+    chain cache as they are serialized, a block's shard staged while it is read; rank 0's root and carried
+    tensors at the end), the node holding its ranks."""
+    held = pred["base"] if started else 0
+    need = (local_world - 1) * (pred["predicted_host_peak_bytes"] - held) + pred["predicted_host_peak_rank0_bytes"] - held
+    if available is None:
+        available, where = available_host_bytes()
+    where = where or "the stated memory"
+    facts = {"host_need_bytes": need, "host_available_bytes": available, "host_where": where}
     if available is None or need <= available:
         return [], facts
-    parts = ", ".join(f"{k} {size(pred[k])}" for k in PARTS if pred.get(k))
-    held = f" beyond the {size(pred['base'])} each holds now" if started and not gpu else ""
-    return [f"{'GPU' if gpu else 'host'} memory: {what} would need about {size(need)}{held} (per rank: {parts}; "
-            f"predicted by sq.pipeline.footprint), and {where} gives {size(available)}; the largest part is the "
-            f"{biggest}: {knob}; or pass --no-preflight to try anyway"], facts
+    return [f"host memory: the {local_world} rank(s) of one node would need about {size(need)} beside their GPUs "
+            f"(per rank: block files and chain cache {size(pred['host_block'])}, rank 0's root and carried tensors "
+            f"at the end {size(pred['host_final'])}; predicted by sq.pipeline.footprint), and {where} gives "
+            f"{size(available)}: fewer ranks per node, or fewer --nsamples (a smaller chain cache); or pass "
+            "--no-preflight to try anyway"], facts

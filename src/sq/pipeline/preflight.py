@@ -88,9 +88,7 @@ def machine_rates(model, targets, algo, *, calibrated: bool, nsamples: int, seql
     from sq.pipeline.timing import probe_rates, top_k_of
     from sq.quant.forward import CALIB_BATCH
 
-    block = targets.blocks[0][1] if targets.blocks else None
-    shapes = sorted({(m.in_features, m.out_features) for m in block.modules() if isinstance(m, torch.nn.Linear)}
-                    if block is not None else ())
+    shapes = sorted(targets.linear_shapes())
     scheme = next((l.scheme for ls in targets.linears for l in ls), None) if algo.sweeps and calibrated else None
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)

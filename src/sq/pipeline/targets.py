@@ -34,6 +34,13 @@ class Targets:
     unquantized: list[str]  # every unquantized Linear by name, and the MoE routers (vLLM builds them as Linears)
     assignment: dict[str, str]  # module -> scheme tag
 
+    def linear_shapes(self, top: int | None = None) -> list[tuple[int, int]]:
+        """The first block's distinct Linear shapes ``(in, out)``, largest first (``top``: that many): what the
+        speed probes time (``sq.probe``'s calibration dtype, ``sq.pipeline.timing``'s rates)."""
+        block = self.blocks[0][1] if self.blocks else None
+        shapes = {(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)} if block else ()
+        return sorted(shapes, key=lambda s: (-s[0] * s[1], s))[:top]
+
 
 def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> Targets:
     blocks = decoder_blocks(model)

@@ -232,6 +232,26 @@ class ExpertCalibration:
             del self.experts.__dict__["forward"]
 
 
+def take_solved(solved, local: torch.Tensor) -> tuple:
+    """One projection's solved local experts (``Algorithm.solve_experts``, taken one at a time): each one's
+    dequantized rows written into ``local [n, rows, in]`` (the quantized chain) and its codes, scales and zero
+    points copied into stacks ``[n, ...]`` as it comes, so only the stacks and one expert's solve are ever held
+    (a list of every expert's ``Solved``, stacked at the end, held its dequantized rows and its codes twice).
+    Returns ``(q, scale, zero_point, global scales)``, the first three None where no expert was solved."""
+    stacks: list = [None, None, None]
+    gs = []
+    for i, s in enumerate(solved):
+        local[i].copy_(s.deq)
+        for j, t in enumerate((s.q, s.scale, s.zero_point)):
+            if t is not None:
+                if stacks[j] is None:
+                    stacks[j] = t.new_empty((local.shape[0], *t.shape))
+                stacks[j][i].copy_(t)
+        gs.append(s.global_scale)
+        del s
+    return (*stacks, gs)
+
+
 def _absmax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as float32 ``[1]`` (0 for no values): the activation observers' statistic."""
     return ActivationObserver.local(x).float()

@@ -31,6 +31,7 @@ whichever chain is propagated), so a resumed run is bit-identical.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -460,7 +461,7 @@ class AWQAlgorithm(Algorithm):
             return self.gptq.solve_linears(work, items)
         return super().solve_linears(work, items)
 
-    def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
+    def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> Iterable[Solved]:
         if self.gptq is not None:
             return self.gptq.solve_experts(work, eprefix, ex, pname, local, first, scheme)
         return super().solve_experts(work, eprefix, ex, pname, local, first, scheme)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -119,11 +120,13 @@ class Algorithm:
                       global_scale=parts[0].global_scale)
 
     def solve_experts(self, work: BlockWork, eprefix: str, ex: nn.Module, pname: str, local: torch.Tensor,
-                      first: int, scheme) -> list[Solved]:
+                      first: int, scheme) -> Iterable[Solved]:
         """Every local expert of one fused projection ``local [n, rows, in]`` (experts ``first..``);
-        one ``Solved`` per expert, in order.  Algorithms override it to solve experts together."""
-        return [self.solve_expert(work, eprefix, ex, pname, first + i, local[i].detach().clone(), scheme)
-                for i in range(local.shape[0])]
+        one ``Solved`` per expert, in order, each taken (its rows written into ``local``, its codes
+        stacked: ``sq.quant.experts.take_solved``) before the next is asked for, so a generator holds one
+        expert's solve at a time.  Algorithms override it to solve experts together."""
+        for i in range(local.shape[0]):
+            yield self.solve_expert(work, eprefix, ex, pname, first + i, local[i].detach().clone(), scheme)
 
     def release(self, work: BlockWork) -> None:
         """Free the block's statistics."""

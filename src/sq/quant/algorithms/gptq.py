@@ -5,6 +5,7 @@ their owner, over the rows it holds).  The maths: ``sq.quant.gptq``."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -330,18 +331,18 @@ class GPTQAlgorithm(Algorithm):
                 work.state.setdefault("fallback", []).append(f"{eprefix}.{e}")
         return self._rows(g, w, scheme, f"{eprefix}.{e}.{pname}", self._expert_stats(work, eprefix, ex, pname, e))
 
-    def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
+    def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> Iterable[Solved]:
         calib = work.state["calibs"].get(id(ex))
         shared = calib.h_in[calib.mine.start] if calib is not None and calib.calibrate_all and len(calib.mine) else None
         if not (pname == "gate_up_proj" and shared is not None and shared.nsamples and local.shape[0] and local.shape[1]):
-            return super().solve_experts(work, eprefix, ex, pname, local, first, scheme)
+            yield from super().solve_experts(work, eprefix, ex, pname, local, first, scheme)
+            return
         # One Hessian for every expert (calibrate-all): GPTQ's rows are independent given it, so
         # the experts' rows are solved stacked, a few experts per sweep, instead of one column
         # loop per expert (same bits; see EXPERT_STACK_ELEMS).  Each expert keeps its own
         # statistics (NVFP4: its own global scale).
         n, rows, cols = local.shape
         per = max(1, EXPERT_STACK_ELEMS // (rows * cols))
-        out = []
         for a in range(0, n, per):
             b = min(n, a + per)
             w = local[a:b].detach().reshape(-1, cols).clone()  # [(b - a) * rows, cols]
@@ -350,10 +351,12 @@ class GPTQAlgorithm(Algorithm):
                            stats if any(st is not None for st in stats) else None)
             zs = s.zero_point.view(b - a, rows, -1).unbind(0) if s.zero_point is not None else [None] * (b - a)
             gs = s.global_scale.split(1) if s.global_scale is not None else [None] * (b - a)
-            out += [Solved(q, sc, z, d, global_scale=g)
-                    for q, sc, z, d, g in zip(s.q.view(b - a, rows, -1).unbind(0), s.scale.view(b - a, rows, -1).unbind(0),
-                                              zs, s.deq.view(b - a, rows, cols).unbind(0), gs)]
-        return out
+            # (each stack's rows read before they are solved: the caller writes the solved ones back into ``local``)
+            yield from [Solved(q, sc, z, d, global_scale=g)
+                        for q, sc, z, d, g in zip(s.q.view(b - a, rows, -1).unbind(0),
+                                                  s.scale.view(b - a, rows, -1).unbind(0), zs,
+                                                  s.deq.view(b - a, rows, cols).unbind(0), gs)]
+            del s
 
     def fallback_experts(self, work: BlockWork) -> list[str]:
         return work.state.get("fallback", [])

@@ -4,6 +4,7 @@ the rounding and clipping of the rows / experts it holds (the maths: ``sq.quant.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -102,7 +103,7 @@ class SignRoundAlgorithm(Algorithm):
         slot = work.state["slots"][linear.name]
         return Solved(*slot.result(), global_scale=slot.global_scale)
 
-    def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> list[Solved]:
+    def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> Iterable[Solved]:
         slot = work.state["slots"][f"{eprefix}.{pname}"]
         res = slot.result()  # tuned per local expert already
         if res is None:
