@@ -356,3 +356,44 @@ def test_transformers_loads_asymmetric_per_expert_moe(tmp_path):
 
     dst, _ = _tiny_qwen3_moe_quantized(tmp_path, get_scheme("W4A16_ASYM", GROUP))
     AutoModelForCausalLM.from_pretrained(dst, quantization_config=CompressedTensorsConfig(dequantize=True))
+
+
+def test_streamed_file_holds_what_the_library_writes(tmp_path):
+    """``write_streamed`` (rank 0's root and carried tensors, one at a time) writes a safetensors file that
+    safetensors reads back tensor for tensor -- every dtype the checkpoints carry, a scalar, an empty and an odd-
+    sized tensor -- each at a multiple of its element size, and refuses a tensor that is not what was planned."""
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from sq.errors import SqError
+    from sq.export.writer import write_streamed
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w.bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16), "w.f32": torch.randn(7, generator=g),
+               "s.f8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn), "i.i64": torch.arange(3),
+               "b.bool": torch.tensor([True, False, True]), "z.scalar": torch.tensor(2.5),
+               "e.empty": torch.empty(0, 4, dtype=torch.float16), "q.i32": torch.arange(5, dtype=torch.int32)}
+    specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    made = []
+    frag = write_streamed(tmp_path, "x.safetensors", specs, lambda k: made.append(k) or tensors[k].clone())
+    assert frag == dict.fromkeys(tensors, "x.safetensors") and sorted(made) == sorted(tensors)
+    back = load_file(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape, k
+        assert torch.equal(back[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    assert n % 8 == 0
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    import json
+
+    header = json.loads(raw[8:8 + n])
+    for k, t in tensors.items():
+        assert header[k]["data_offsets"][0] % t.dtype.itemsize == 0, (k, header[k])
+    with pytest.raises(SqError, match="w.f32 came as torch.float16"):
+        write_streamed(tmp_path, "y.safetensors", {"w.f32": (torch.float32, (7,))}, lambda k: tensors[k].half())
+    assert not any(p.name.startswith((".y", "y")) for p in tmp_path.iterdir())  # nor its temp file

@@ -107,11 +107,13 @@ def test_plan_consumes_scales(checkpoints):
     assert set(plan.carried) == set(mtp_keys(index, 3)) - scales
     assert plan.keymap.rules()["model.layers.1.mlp.experts.5.up_proj.weight"] == "conversion"
     # carried FP8 weights come out dequantized (the reference's values), the rest raw
-    carried = plan.read_carried()
     ref = dequantized_tensors(path)
+    specs = plan.carried_specs()
     for key in ("model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.2.down_proj.weight",
                 "model.layers.3.enorm.weight", "model.layers.3.shared_head.head.weight"):
-        assert carried[key].dtype == torch.bfloat16 and torch.equal(carried[key], ref[key]), key
+        got = plan.read_carried(key)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref[key]), key
+        assert specs[key] == (got.dtype, tuple(got.shape)), key  # the streamed file's header
 
 
 # ----------------------------------------------------------------------------- sharded loads
@@ -343,7 +345,7 @@ def test_rtn_from_fp8_loads_and_equals_the_dequantized_twin(checkpoints, rtn_out
     raw = sorted(k for k in carried if got[k].dtype == torch.float8_e4m3fn)
     if raw:
         pytest.xfail(f"{len(raw)} carried FP8 tensors written raw without scales (e.g. {raw[0]}): the exporter must "
-                     "write LoadPlan.read_carried() instead of copying carried keys raw")
+                     "write LoadPlan.read_carried(key) instead of copying carried keys raw")
     ref = dequantized_tensors(checkpoints[NAME])
     assert all(torch.equal(got[k], ref[k]) for k in carried)
 
@@ -354,3 +356,26 @@ def test_gptq_from_fp8_loads(loads):
     report = json.loads((loads["gptq_out"] / "sq_report.json").read_text())
     for name, layer in report["layers"].items():
         assert layer["rel_err"] <= layer["rtn_rel_err"] + 1e-9, name
+
+
+def test_fp8_conversion_by_table_is_torchs_for_every_byte():
+    """``sq.load.fp8.fp8_to_float32`` (a gather from the 256 bytes' conversions) gives torch's own conversion's
+    bits for every FP8 byte of both kinds, NaNs and negative zero included, and the dequantization of a box
+    (aligned or not to the scale blocks) equals float32(weight) * its block's scale."""
+    from sq.load.fp8 import dequantize_into, fp8_to_float32
+
+    for kind in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = torch.arange(256, dtype=torch.uint8).view(kind).reshape(16, 16)
+        assert torch.equal(fp8_to_float32(x).view(torch.int32), x.to(torch.float32).view(torch.int32)), kind
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 260, generator=g) * 3).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3, generator=g) + 0.5
+    for start, box in [((0, 0), (300, 256)), ((0, 0), (300, 260)), ((5, 7), (200, 121)), ((0, 0), (128, 128))]:
+        rows, cols = box
+        part = w[:rows, :cols]
+        dest = torch.empty(rows, cols, dtype=torch.bfloat16)
+        dequantize_into(dest, part, scale, start, (128, 128))
+        ri = (torch.arange(rows) + start[0]) // 128
+        ci = (torch.arange(cols) + start[1]) // 128
+        want = (part.to(torch.float32) * scale[ri][:, ci]).to(torch.bfloat16)
+        assert torch.equal(dest.view(torch.int16), want.view(torch.int16)), (start, box)

@@ -139,7 +139,8 @@ def test_an_mxfp4_tensor_with_no_slot_is_carried_dequantized(fixture, tmp_path):
                                           for sfx in ("_blocks", "_scales") if src + sfx in t}})
     plan = plan_load(build_skeleton(path), path)
     assert plan.carried == [extra]
-    got = plan.read_carried()[extra]
+    got = plan.read_carried(extra)
+    assert plan.carried_specs()[extra] == (got.dtype, tuple(got.shape))
     assert got.dtype == torch.bfloat16 and torch.equal(got.float(), read_tensors(fixture[1])[src])
 
 

@@ -147,3 +147,13 @@ def test_plan_of_a_scheme_that_cannot_apply_is_one_clear_error(llama_ckpt, tmp_p
     assert res.returncode == 2 and "sq: error: group size 48 does not divide the weight width 64" in res.stderr, \
         res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("extra", [[], ["--model-free"]])
+def test_plan_of_a_hub_id_downloads_nothing(extra, tmp_path):
+    """sq.plan reads headers only: a hub id (not downloaded yet) is one clear error, before the model-free
+    decision -- which resolves the model the way sq.ptq's ranks do -- could fetch anything."""
+    res = run_python(["sq.plan", "--model", "someorg/not-downloaded", "--output", str(tmp_path / "o"), "--algo", "rtn",
+                      *extra], timeout=300, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert res.returncode == 2 and "is not one (download it first" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "hf").exists() and "Traceback" not in res.stderr

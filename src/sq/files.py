@@ -130,9 +130,12 @@ def atomic_write(path: Path, write_fn: Callable[[Path], object]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         if e.errno == 28:  # ENOSPC
-            tmp.unlink(missing_ok=True)
             raise _no_space(path) from None
+        raise
+    except BaseException:  # nothing half-written left behind (a refusal or an interrupt mid-file)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
 

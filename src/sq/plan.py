@@ -85,6 +85,9 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
         raise SqError(f"--nproc-per-node and --nnodes must be >= 1, got {nproc_per_node} and {nnodes}")
     from sq import modelfree
 
+    if not isinstance(resolve_model(cfg.model), Path):  # (before anything could download it)
+        raise SqError(f"sq.plan reads a local checkpoint folder or demo:NAME; {cfg.model!r} is not one "
+                      "(download it first: sq.ptq does, on rank 0)")
     if modelfree.wanted(cfg, model_free):  # as sq.ptq decides it (asked for, or an architecture transformers lacks)
         if device != "cpu":
             raise SqError("--model-free quantizes on the CPU; plan it without --device cuda")
@@ -97,9 +100,6 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     world = nproc_per_node * nnodes
     assigner = cfg.assigner()
     src = resolve_model(cfg.model)
-    if not isinstance(src, Path):
-        raise SqError(f"sq.plan reads a local checkpoint folder or demo:NAME; {cfg.model!r} is not one "
-                      "(download it first: sq.ptq does, on rank 0)")
     model = build_skeleton(src, trust_remote_code=cfg.trust_remote_code)
     load = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
     targets = plan_targets(model, assigner, CheckpointWeights(model, load, src, torch.device("cpu")), world)
@@ -127,7 +127,7 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     memory = predict_memory(model, targets, algo, base=rss_bytes(), world=world, ep=ep, nsamples=cfg.nsamples,
                             seqlen=cfg.seqlen, calibrated=calibrated, compute_dtype=chain_dtype,
                             weight_dtype=weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts, device=device,
-                            bookkeeping=cfg.bookkeeping, carried=carried_bytes(load, weight_dtype))
+                            bookkeeping=cfg.bookkeeping, carried=carried_bytes(load, weight_dtype, largest=True))
     stated = gpu_memory if device == "cuda" else host_memory
     mem_problems, mem_facts = memory_problems(
         memory, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),

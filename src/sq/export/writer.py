@@ -11,10 +11,12 @@ Every file is written as temp file -> flush -> fsync -> rename -> fsync of the f
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ from safetensors import safe_open
 from sq.errors import SqError
 from sq.files import (INDEX_NAME, REPORT_NAME, RUN_DIR, SIDE_FILES, atomic_write, nearest_existing, safetensors_bytes,
                       sha256_bytes, write_bytes_atomic)
-from sq.load.source import open_checked
+from sq.load.source import _ST_DTYPES, open_checked
 from sq.resume import read_signed_json
 
 __all__ = [
@@ -99,6 +101,48 @@ def write_tensors(out: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> 
     """Write one safetensors file atomically; return its index fragment (empty if nothing to write)."""
     rec = write_shard(out, name, tensors)
     return {k: name for k in rec["tensors"]} if rec else {}
+
+
+def write_streamed(out: Path, name: str, specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                   produce: Callable[[str], torch.Tensor]) -> dict[str, str]:
+    """Write one safetensors file atomically from tensors made one at a time: ``specs`` gives each one's dtype and
+    shape up front (the header goes first), ``produce(key)`` makes it when its bytes are due, and it is written
+    and dropped before the next.  Returns its index fragment (empty if nothing to write).
+
+    Why: the carried tensors (an MTP layer: ~11 GB of FP8 on DeepSeek-V3, twice that dequantized) and a root read
+    whole from the checkpoint were held at once with their serialized copy (``write_tensors``); now one tensor at
+    a time.  The tensors go largest element first, then by name, so each starts at a multiple of its element
+    size, as the library's own writer orders them."""
+    if not specs:
+        return {}
+    order = sorted(specs, key=lambda k: (-specs[k][0].itemsize, k))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for k in order:
+        dtype, shape = specs[k]
+        n = math.prod(shape) * dtype.itemsize
+        header[k] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for k in order:
+                t = produce(k).detach().to("cpu").contiguous()
+                if (t.dtype, tuple(t.shape)) != (specs[k][0], tuple(specs[k][1])):
+                    raise SqError(f"{Path(out) / name}: {k} came as {t.dtype} {list(t.shape)}, planned as "
+                                  f"{specs[k][0]} {list(specs[k][1])}")
+                if t.numel():
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+                del t
+
+    atomic_write(Path(out) / name, write)
+    return {k: name for k in order}
+
+
+_ST_NAMES = {dt: name for name, dt in _ST_DTYPES.items()}
 
 
 def write_json(path: Path, obj) -> None:

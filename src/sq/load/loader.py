@@ -79,9 +79,20 @@ class LoadPlan:
                 self._reader = SqStorageReader(self.source, transforms=self.transforms())
         return self._reader
 
-    def read_carried(self) -> dict[str, torch.Tensor]:
-        """The carried-over tensors (rank 0 writes them): raw bytes, except FP8 weights and MXFP4
-        tensors, dequantized.
+    def carried_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each carried-over tensor's dtype and shape as rank 0 writes it (``read_carried``)."""
+        out = {}
+        for key in self.carried:
+            if self.mxfp4 is not None and key in self.mxfp4.pairs:
+                out[key] = (self.dtype, tuple(self.mxfp4.pairs[key].shape))
+                continue
+            info = self.source.tensors[key]
+            out[key] = (self.dtype if self.fp8 is not None and key in self.fp8.scales else info.dtype, tuple(info.shape))
+        return out
+
+    def read_carried(self, key: str) -> torch.Tensor:
+        """One carried-over tensor (rank 0 writes them, one at a time: ``sq.export.writer.write_streamed``): its
+        bytes, except FP8 weights and MXFP4 tensors, dequantized.
 
         An FP8 source's MTP layer would otherwise land in the output as FP8 next to a
         compressed-tensors config that does not describe its scales; dequantized, it is what a
@@ -89,20 +100,17 @@ class LoadPlan:
         """
         from safetensors import safe_open
 
-        out = {}
-        for key in self.carried:
-            if self.mxfp4 is not None and key in self.mxfp4.pairs:
-                out[key] = dequantize_mxfp4(self.source, self.mxfp4.pairs[key], self.dtype)
-                continue
-            info = self.source.tensors[key]
-            with safe_open(str(self.source.path(info.file)), framework="pt") as f:
-                out[key] = f.get_tensor(key)
-            if self.fp8 is not None and key in self.fp8.scales:
-                s_info = self.source.tensors[self.fp8.scales[key]]
-                with safe_open(str(self.source.path(s_info.file)), framework="pt") as f:
-                    scale = f.get_tensor(s_info.key)
-                out[key] = dequantize(out[key], scale, self.fp8.block, self.dtype)
-        return out
+        if self.mxfp4 is not None and key in self.mxfp4.pairs:
+            return dequantize_mxfp4(self.source, self.mxfp4.pairs[key], self.dtype)
+        info = self.source.tensors[key]
+        with safe_open(str(self.source.path(info.file)), framework="pt") as f:
+            t = f.get_tensor(key)
+        if self.fp8 is not None and key in self.fp8.scales:
+            s_info = self.source.tensors[self.fp8.scales[key]]
+            with safe_open(str(self.source.path(s_info.file)), framework="pt") as f:
+                scale = f.get_tensor(s_info.key)
+            t = dequantize(t, scale, self.fp8.block, self.dtype)
+        return t
 
     def check_filled(self, names) -> None:
         """Raise if any named tensor was materialized (or re-emptied) and not filled since."""

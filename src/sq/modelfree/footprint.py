@@ -50,8 +50,7 @@ KNOBS = {
     "heap": "MALLOC_MMAP_THRESHOLD_=65536 in the job's environment (freed buffers go back to the system at once)",
 }
 RTN_COPIES = 3  # float32 copies RTN makes of the tensor it quantizes (the weight, scaled, rounded)
-CARRIED_COPIES = 3  # rank 0's carried tensors: dequantized, serialized, and the tensor being read (measured on the
-# FP8 fixture of tests/test_footprint.py: 2.9; the model path's, whose tensors come whole through a load, 3.5)
+CARRIED_COPIES = 2  # the carried tensor being written: as read, dequantized (FP8), its float32 chunk
 SEND_COPIES = 4  # a rank's rows of a split unit's codes: the codes, serialized, pickled, as a byte tensor to send
 RECEIVE_COPIES = 4  # the whole codes on the unit's owner: the receive buffer, the unpickled bytes, loaded, joined
 
@@ -192,14 +191,15 @@ def preflight(plan: Plan, reader, owner: list[int], split: list[int], world: int
 
 
 def _final_bytes(plan: Plan, reader) -> int:
-    """Rank 0's end: the root tensors (read, converted, serialized), then the carried ones (kept in their dtype,
-    FP8 weights dequantized), each set read whole and serialized."""
+    """Rank 0's end: the root tensors, then the carried ones (kept in their dtype, FP8 weights dequantized), each
+    written as it is read (``sq.export.writer.write_streamed``): the largest one as read beside its converted
+    copy."""
     tensors = reader.source.tensors
-    root = sum(tensors[k].nbytes for k in plan.root)
-    root_conv = sum(math.prod(tensors[k].shape) * reader.converted_itemsize(k) for k in plan.root)
-    carried = sum(math.prod(tensors[k].shape) * (reader.dtype.itemsize if tensors[k].dtype.itemsize == 1 else
-                                                 tensors[k].dtype.itemsize) for k in plan.carried)
-    return max(root + 2 * root_conv if root_conv != root else 2 * root, CARRIED_COPIES * carried)
+    root = max((tensors[k].nbytes + math.prod(tensors[k].shape) * reader.converted_itemsize(k) for k in plan.root),
+               default=0)
+    carried = max((math.prod(tensors[k].shape) * (reader.dtype.itemsize if tensors[k].dtype.itemsize == 1 else
+                                                  tensors[k].dtype.itemsize) for k in plan.carried), default=0)
+    return max(root, CARRIED_COPIES * carried)
 
 
 def output_bytes(plan: Plan, reader, src: Path | None) -> int:

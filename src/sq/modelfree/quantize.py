@@ -402,8 +402,10 @@ def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_sta
     out = run.out
     root, read = [], reader.bytes_read  # (the layers' reads: what predicted_read_bytes counts)
     if run.rank == 0:  # before the ranks meet, so that rank 0's peak counts them
-        root.append(writer.write_tensors(out, shard_name(0, None), {k: reader.weight(k) for k in plan.root}))
-        root.append(writer.write_tensors(out, CARRIED_NAME, {k: reader.weight(k, cast=False) for k in plan.carried}))
+        # one tensor at a time (write_streamed): a root of embeddings and an MTP layer are gigabytes at scale
+        root.append(writer.write_streamed(out, shard_name(0, None), reader.specs(plan.root), reader.weight))
+        root.append(writer.write_streamed(out, CARRIED_NAME, reader.specs(plan.carried, cast=False),
+                                          lambda k: reader.weight(k, cast=False)))
     peaks.fold("final")
     memory, timing = predicted.get("memory") or {}, predicted.get("time") or {}
     mine = {"rank": run.rank, "peak_rss_bytes": peaks.peak, "peak_rss_phases": peaks.phases,

@@ -118,6 +118,20 @@ class Reader:
             return self.dtype.itemsize
         return 4
 
+    def specs(self, keys, cast: bool = True) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each of ``keys``' dtype and shape as ``weight`` makes it (the header of a file written streamed)."""
+        out = {}
+        for k in keys:
+            info = self.source.tensors[k]
+            scaled = self.layout is not None and k in self.layout.scales
+            if scaled or (cast and info.dtype.is_floating_point):
+                size = self.converted_itemsize(k)
+                dtype = self.dtype if scaled or size == self.dtype.itemsize else torch.float32
+            else:
+                dtype = info.dtype
+            out[k] = (dtype, tuple(info.shape))
+        return out
+
     def weight(self, key: str, cast: bool = True) -> torch.Tensor:
         return self.convert(key, self.fetch(key), cast=cast)
 

@@ -178,8 +178,8 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
     """Each of ``ranks``' predicted peak and its parts (bytes), by rank: what does not depend on the rank (the
     block, the chain, the activations) is counted once per distinct block, only the algorithm's part per rank.
     ``resident``: the weights are in memory already (the Python API's model), so in ``base``: no root or shard
-    to fill.  ``carried``: the bytes of the checkpoint tensors the model has no slot for (an MTP layer), in the
-    model's dtype (FP8 ones dequantized), which rank 0 writes at the end (:func:`carried_bytes`)."""
+    to fill.  ``carried``: the bytes of the largest checkpoint tensor the model has no slot for (an MTP layer's), in
+    the model's dtype (FP8 ones dequantized): rank 0 writes them at the end, one at a time (:func:`carried_bytes`)."""
     ranks = list(ranks)
     wb, cb = _bytes(weight_dtype), _bytes(compute_dtype or weight_dtype)
     hidden = int(model.get_input_embeddings().weight.shape[-1])
@@ -229,14 +229,16 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
                 worst[r], parts[r] = total, {**p, "phase": phase, "peak_block": prefix}
     # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
     # keeping them all for the root shard file and serializing that file in memory; then the carried tensors read
-    # (dequantized) and serialized (CARRIED_COPIES: fitted on the DeepSeek-V3 FP8 fixture's MTP layer)
+    # (dequantized) and written one at a time beside the root it still holds
     final, final0 = 2 * root_full, max(3 * root_full, root_full + int(CARRIED_COPIES * carried))
     empty = {"phase": "forward", "peak_block": None, "block": 0, "chain": 0, "activations": 0, "algorithm": 0, "heap": 0}
     host = {}
-    if device == "cuda":  # the root written from host memory at the end (rank 0: kept and serialized; the carried)
-        host = {"host_block": host_block, "host_final": final0,
+    if device == "cuda":  # rank 0's root copied to host memory and serialized there, then the carried tensors read
+        # there one at a time: the GPU holds the root alone
+        host_final, final0 = max(2 * root_full, int(CARRIED_COPIES * carried)), 3 * root_full
+        host = {"host_block": host_block, "host_final": host_final,
                 "predicted_host_peak_bytes": base + max(host_block, 0),
-                "predicted_host_peak_rank0_bytes": base + max(host_block, final0)}
+                "predicted_host_peak_rank0_bytes": base + max(host_block, host_final)}
     return {r: {"device": device, "rank": r, "algorithm_knob": algo.memory_knob, "base": base, "root": root,
                 **empty, **parts[r], "final": final,
                 "predicted_peak_bytes": base + root + max(worst[r], 0, final),  # every rank but 0
@@ -244,18 +246,20 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
             for r in ranks}
 
 
-CARRIED_COPIES = 3.5  # the dequantized tensors, their float32 chunks and source bytes, the serialized file
+CARRIED_COPIES = 2  # the carried tensor being written: as read, dequantized (FP8), its float32 chunk
 
 
-def carried_bytes(plan, dtype: torch.dtype | None) -> int:
+def carried_bytes(plan, dtype: torch.dtype | None, largest: bool = False) -> int:
     """The carried tensors (``plan.carried``: checkpoint keys with no slot in the model) at the model's dtype, as
-    rank 0 writes them (FP8 weights dequantized)."""
+    rank 0 writes them (FP8 weights dequantized), in all; ``largest``: the largest one (rank 0 holds one at a
+    time: ``sq.export.writer.write_streamed``)."""
     if plan is None:
         return 0
     size = _bytes(dtype)
-    return sum(math.prod(plan.source.tensors[k].shape) * (size if plan.source.tensors[k].dtype.itemsize == 1 else
-                                                           plan.source.tensors[k].dtype.itemsize)
-               for k in plan.carried if k in plan.source.tensors)
+    each = [math.prod(plan.source.tensors[k].shape) * (size if plan.source.tensors[k].dtype.itemsize == 1 else
+                                                       plan.source.tensors[k].dtype.itemsize)
+            for k in plan.carried if k in plan.source.tensors]
+    return max(each, default=0) if largest else sum(each)
 
 
 def available_host_bytes() -> tuple[int | None, str]:

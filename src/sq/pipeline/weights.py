@@ -114,7 +114,7 @@ class CheckpointWeights:
     def write_extras(self, out: Path) -> dict[str, str]:
         """Checkpoint tensors the model has no slot for (rank 0): byte for byte, except FP8 block-scaled
         weights, which are dequantized (their scales have no place in a compressed-tensors config)."""
-        return writer.write_tensors(out, CARRIED_NAME, self.plan.read_carried())
+        return writer.write_streamed(out, CARRIED_NAME, self.plan.carried_specs(), self.plan.read_carried)
 
     def write_side_files(self, out: Path) -> list[str]:
         return writer.copy_side_files(self.src, out)
