@@ -125,8 +125,8 @@ def test_a_job_beyond_this_machine_is_refused_before_it_loads(huge, tmp_path):
 
 @pytest.fixture(scope="module")
 def huge_dense(tmp_path_factory) -> Path:
-    """A Llama whose each MLP projection is 16384 x 131072 (4 GiB in bfloat16), its weights a hole in a sparse
-    file: model-free RTN on two ranks would need ~40 GiB per rank for one projection's rows and their gather."""
+    """A Llama each of whose MLP projections is 16384 x 131072 (4 GiB in bfloat16), its weights a hole in a sparse
+    file: model-free RTN on two ranks would need ~34 GiB per rank, mostly RTN's float32 copies of one projection."""
     from sq.testing.checkpoints import build_sparse_llama
 
     return build_sparse_llama(tmp_path_factory.mktemp("footprint") / "huge-dense", hidden_size=16384,

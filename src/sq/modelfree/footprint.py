@@ -76,8 +76,8 @@ def _slot_shape(source, s) -> tuple[int, int]:
     return rows, math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
-def unit_bytes(unit: Unit, reader, fp8_scales: dict | None = None) -> UnitBytes:
-    """``unit``'s bytes (a split unit: pass this rank's rows, ``sq.modelfree.quantize._my_rows``)."""
+def unit_bytes(unit: Unit, reader) -> UnitBytes:
+    """``unit``'s bytes (a split unit: pass this rank's rows, ``sq.modelfree.plan.my_rows``)."""
     source = reader.source
     raw = conv = out = codes = largest = 0
     code_size = unit.scheme.storage_dtype.itemsize if unit.scheme is not None else 0
@@ -93,13 +93,14 @@ def unit_bytes(unit: Unit, reader, fp8_scales: dict | None = None) -> UnitBytes:
         if scaled or size != info.dtype.itemsize:
             conv += n * size
         if unit.scheme is None:
-            out += n * size
+            out += n * size if s.box is None else 0
         else:
             out += sum(b for _, b in _stored(unit.scheme, rows, cols, reader.dtype))
             codes += n * code_size
             largest = max(largest, n)
     if unit.scheme is None and any(s.box is not None for s in unit.slots):  # one merged tensor, written whole
-        out = sum(math.prod(s.box[0]) for s in {s.out_prefix: s for s in unit.slots if s.box}.values()) * reader.dtype.itemsize
+        merged = {s.out_prefix: s.box[0] for s in unit.slots if s.box}
+        out += sum(math.prod(shape) for shape in merged.values()) * reader.dtype.itemsize
     return UnitBytes(raw, conv, 4 * largest * RTN_COPIES, out, codes)
 
 
