@@ -91,7 +91,7 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     if modelfree.wanted(cfg, model_free):  # as sq.ptq decides it (asked for, or an architecture transformers lacks)
         if device != "cpu":
             raise SqError("--model-free quantizes on the CPU; plan it without --device cuda")
-        from sq.modelfree.footprint import plan_model_free
+        from sq.modelfree.quantize import plan_model_free
 
         return plan_model_free(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes,
                                available=None if host_memory is None else int(host_memory * GiB),

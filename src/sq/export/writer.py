@@ -25,7 +25,7 @@ from safetensors import safe_open
 from sq.errors import SqError
 from sq.files import (INDEX_NAME, REPORT_NAME, RUN_DIR, SIDE_FILES, atomic_write, nearest_existing, safetensors_bytes,
                       sha256_bytes, write_bytes_atomic)
-from sq.load.source import _ST_DTYPES, open_checked
+from sq.load.source import ST_DTYPES, open_checked
 from sq.resume import read_signed_json
 
 __all__ = [
@@ -142,7 +142,7 @@ def write_streamed(out: Path, name: str, specs: Mapping[str, tuple[torch.dtype, 
     return {k: name for k in order}
 
 
-_ST_NAMES = {dt: name for name, dt in _ST_DTYPES.items()}
+_ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
 
 
 def write_json(path: Path, obj) -> None:

@@ -25,7 +25,7 @@ _HUB_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
-_ST_DTYPES = {
+ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -111,8 +111,8 @@ def _entry_problem(info) -> str | None:
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str):
         return f"has dtype {_short(dtype)}, not a string"
-    if dtype not in _ST_DTYPES:
-        return f"has unknown dtype {_short(dtype)} (sq reads {', '.join(_ST_DTYPES)})"
+    if dtype not in ST_DTYPES:
+        return f"has unknown dtype {_short(dtype)} (sq reads {', '.join(ST_DTYPES)})"
     if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
         return f"has shape {_short(shape)}, not a list of non-negative integers"
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
@@ -166,7 +166,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
         numel = 1
         for s in shape:
             numel *= s
-        if numel * _ST_DTYPES[dtype].itemsize != end - begin:
+        if numel * ST_DTYPES[dtype].itemsize != end - begin:
             raise ValueError(f"tensor {_short(key, 200)} shape {_short(shape)} {dtype} does not match its "
                              f"{end - begin} bytes: corrupt")
         spans.append((begin, end, key))
@@ -467,7 +467,7 @@ def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
             if weight_map and weight_map.get(key) != name:
                 problems.append(f"tensor {_short(key, 200)} is in {name} but {INDEX_NAME} puts it in "
                                 f"{_short(weight_map.get(key), 200)}")
-            tensors[key] = TensorInfo(key, name, _ST_DTYPES[info["dtype"]], tuple(info["shape"]),
+            tensors[key] = TensorInfo(key, name, ST_DTYPES[info["dtype"]], tuple(info["shape"]),
                                       tuple(info["data_offsets"]))
     for key, name in weight_map.items():
         if key not in tensors and name in files and name not in unread:

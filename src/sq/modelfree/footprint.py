@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 from sq.memory import HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
-from sq.modelfree.plan import Plan, Unit, my_rows
-from sq.pipeline.disk import _header, _stored, side_bytes
+from sq.modelfree.plan import READ_AHEAD, Plan, Unit, my_rows
+from sq.pipeline.disk import header_bytes, side_bytes, stored_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["plan_model_free", "preflight", "predicted_memory", "output_bytes", "predicted_time", "KNOBS", "PARTS"]
+__all__ = ["preflight", "predicted_memory", "output_bytes", "predicted_time", "KNOBS", "PARTS"]
 
 PARTS = ("units", "layer", "split", "heap")
 KNOBS = {
@@ -95,7 +95,7 @@ def unit_bytes(unit: Unit, reader) -> UnitBytes:
         if unit.scheme is None:
             out += n * size if s.box is None else 0
         else:
-            out += sum(b for _, b in _stored(unit.scheme, rows, cols, reader.dtype))
+            out += sum(b for _, b in stored_bytes(unit.scheme, rows, cols, reader.dtype))
             codes += n * code_size
             largest = max(largest, n)
     if unit.scheme is None and any(s.box is not None for s in unit.slots):  # one merged tensor, written whole
@@ -177,7 +177,6 @@ def preflight(plan: Plan, reader, owner: list[int], split: list[int], world: int
               available: int | None = None, where: str | None = None) -> tuple[list[str], dict, dict]:
     """The memory and disk checks (``sq.ptq --model-free`` on every rank, ``sq.plan --model-free``): the refusals,
     ``rank``'s predicted memory with the node's numbers, and the disk's."""
-    from sq.modelfree.quantize import READ_AHEAD
     from sq.pipeline.disk import disk_problems
     from sq.pipeline.footprint import memory_problems
 
@@ -208,39 +207,11 @@ def output_bytes(plan: Plan, reader, src: Path | None) -> int:
     read (converted), and the side files copied beside them."""
     total = 0
     for u in plan.units:
-        total += unit_bytes(u, reader).out + sum(_header(s.out_prefix or s.key) * 3 for s in u.slots)
+        total += unit_bytes(u, reader).out + sum(header_bytes(s.out_prefix or s.key) * 3 for s in u.slots)
     tensors = reader.source.tensors
-    total += sum(math.prod(tensors[k].shape) * reader.converted_itemsize(k) + _header(k) for k in plan.root)
-    total += sum(tensors[k].nbytes * (2 if tensors[k].dtype.itemsize == 1 else 1) + _header(k) for k in plan.carried)
+    total += sum(math.prod(tensors[k].shape) * reader.converted_itemsize(k) + header_bytes(k) for k in plan.root)
+    total += sum(tensors[k].nbytes * (2 if tensors[k].dtype.itemsize == 1 else 1) + header_bytes(k) for k in plan.carried)
     return total + side_bytes(src)
-
-
-def plan_model_free(cfg, *, nproc_per_node: int, nnodes: int, available: int | None, where: str | None, rates,
-                    started: float) -> tuple[dict, list[str]]:
-    """``python -m sq.plan --model-free``: the job's plan and placement as every rank makes them
-    (``sq.modelfree.quantize``), its memory and disk checks, and its reads and seconds (``rates``: stated; None:
-    this machine's)."""
-    from sq.memory import rss_bytes
-    from sq.modelfree.plan import split_by_bytes
-    from sq.modelfree.quantize import _prepare
-
-    world = nproc_per_node * nnodes
-    plan, reader, source, _ = _prepare(cfg)
-    try:
-        owner, split = split_by_bytes(plan.units, world)
-        problems, memory, disk = preflight(plan, reader, owner, split, world, base=rss_bytes(), out=Path(cfg.output),
-                                           rank=0, local_world=nproc_per_node, started=False, available=available,
-                                           where=where)
-        root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
-        timing = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output), started,
-                                fp8=reader.layout is not None, rates=rates)
-    finally:
-        reader.close()
-    out = {"model": str(source.root), "mode": "model-free", "algo": cfg.algo.name,
-           "quantized_linears": sum(u.scheme is not None for u in plan.units), "units": len(plan.units),
-           "row_split": len(split), "blocks": len(plan.blocks), "world": world, "nproc_per_node": nproc_per_node,
-           **disk, "memory": {**memory, "parts": list(PARTS)}, "time": timing or None, "fits": not problems}
-    return out, problems
 
 
 def predicted_time(plan: Plan, owner: list[int], split: list[int], world: int, root: int, src: Path, out: Path,

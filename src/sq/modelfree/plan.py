@@ -20,6 +20,8 @@ from sq.quant.recipe import scheme_tag
 
 logger = logging.getLogger(__name__)
 
+READ_AHEAD = 2  # units a rank reads ahead of the one it quantizes (memory: this many more units' tensors)
+
 LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<i>\d+)\.(?P<rest>.+)$")
 EXPERT_KEY = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
 _PROJ = re.compile(r"(_proj|_proj_with_mqa|^w[1-3]|^fc\d|^dense(_h_to_4h|_4h_to_h)?|^query_key_value|^c_(attn|proj|fc)"

@@ -25,7 +25,7 @@ from sq.load import fp8, mxfp4
 from sq.load.meta import config_problems, model_type_problems, tokenizer_problems
 from sq.load.source import scan_checkpoint
 from sq.memory import PeakPhases, rss_bytes, trim_heap
-from sq.modelfree.footprint import predicted_time, preflight
+from sq.modelfree.footprint import PARTS, predicted_time, preflight
 from sq.pipeline.disk import written_bytes
 from sq.modelfree.plan import (
     EXPERT_KEY,
@@ -35,6 +35,7 @@ from sq.modelfree.plan import (
     classify,
     config_groups,
     dtype_of,
+    READ_AHEAD,
     my_rows,
     split_by_bytes,
 )
@@ -46,8 +47,6 @@ from sq.resume import source_identity
 from sq.run import Run, raise_all, signature
 
 logger = logging.getLogger(__name__)
-
-READ_AHEAD = 2  # units a rank reads ahead of the one it quantizes (memory: this many more units' tensors)
 
 def _rtn(w: torch.Tensor, scheme, stats, row_offset: int = 0) -> dict:
     """``rtn_rows``'s codes and scales of rows ``w`` (``rtn_codes``: the same calls), without the
@@ -431,3 +430,27 @@ def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_sta
 
     return run.final(final)
 
+
+def plan_model_free(cfg, *, nproc_per_node: int, nnodes: int, available: int | None, where: str | None, rates,
+                    started: float) -> tuple[dict, list[str]]:
+    """``python -m sq.plan --model-free``: the job's plan and placement as every rank makes them
+    (``quantize_checkpoint``), its memory and disk checks, and its reads and seconds (``rates``: stated; None:
+    this machine's)."""
+
+    world = nproc_per_node * nnodes
+    plan, reader, source, _ = _prepare(cfg)
+    try:
+        owner, split = split_by_bytes(plan.units, world)
+        problems, memory, disk = preflight(plan, reader, owner, split, world, base=rss_bytes(), out=Path(cfg.output),
+                                           rank=0, local_world=nproc_per_node, started=False, available=available,
+                                           where=where)
+        root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
+        timing = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output), started,
+                                fp8=reader.layout is not None, rates=rates)
+    finally:
+        reader.close()
+    out = {"model": str(source.root), "mode": "model-free", "algo": cfg.algo.name,
+           "quantized_linears": sum(u.scheme is not None for u in plan.units), "units": len(plan.units),
+           "row_split": len(split), "blocks": len(plan.blocks), "world": world, "nproc_per_node": nproc_per_node,
+           **disk, "memory": {**memory, "parts": list(PARTS)}, "time": timing or None, "fits": not problems}
+    return out, problems

@@ -23,7 +23,7 @@ from sq.anatomy import EXPERT_PARAMS
 from sq.files import nearest_existing
 from sq.pipeline.search import stored_tensors
 
-__all__ = ["predict_output_bytes", "block_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "size", "GiB", "SLACK"]
+__all__ = ["predict_output_bytes", "block_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "size", "stored_bytes", "header_bytes", "GiB", "SLACK"]
 
 GiB = 1 << 30
 SLACK = 1.02  # index, config, report, picture and logs beside the checkpoint: under 1% on the demo (tests/test_plan.py)
@@ -33,7 +33,7 @@ CHAINS_KEPT = 4  # sq.resume keeps the last three chains, and a fourth is writte
 
 
 @functools.lru_cache(maxsize=256)
-def _stored(scheme, out_features: int, in_features: int, dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
+def stored_bytes(scheme, out_features: int, in_features: int, dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
     """Each tensor the scheme writes for the shape, and its bytes.  Wide weights are measured at
     ``ROWS`` and ``2 * ROWS`` rows and extended linearly (every stored tensor grows with the rows or
     not at all), so a DeepSeek-size model is planned in milliseconds, not by quantizing its shapes."""
@@ -47,13 +47,13 @@ def _nbytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-def _header(name: str) -> int:
+def header_bytes(name: str) -> int:
     """A safetensors header entry: the name and ``{"dtype":"BF16","shape":[..],"data_offsets":[..,..]}``."""
     return len(name) + HEADER_ENTRY
 
 
 def _quantized_bytes(prefix: str, scheme, out_features: int, in_features: int, dtype: torch.dtype) -> int:
-    return sum(n + _header(f"{prefix}.{suffix}") for suffix, n in _stored(scheme, out_features, in_features, dtype))
+    return sum(n + header_bytes(f"{prefix}.{suffix}") for suffix, n in stored_bytes(scheme, out_features, in_features, dtype))
 
 
 def block_output_bytes(targets, b: int, weight_dtype: torch.dtype | None) -> int:
@@ -64,13 +64,13 @@ def block_output_bytes(targets, b: int, weight_dtype: torch.dtype | None) -> int
     total, quantized = 0, set()
     for lin in targets.linears[b]:
         quantized.add(id(lin.module.weight))
-        total += sum(n for _, n in _stored(lin.scheme, lin.module.out_features, lin.module.in_features, dtype))
+        total += sum(n for _, n in stored_bytes(lin.scheme, lin.module.out_features, lin.module.in_features, dtype))
     for ex in targets.experts[b]:
         for name in EXPERT_PARAMS:
             p = ex.module._parameters[name]
             quantized.add(id(p))
             n_experts, rows, cols = (int(d) for d in p.shape)
-            total += n_experts * sum(n for _, n in _stored(ex.scheme, rows, cols, dtype))
+            total += n_experts * sum(n for _, n in stored_bytes(ex.scheme, rows, cols, dtype))
     return total + sum(_nbytes(p) for p in block.parameters() if id(p) not in quantized)
 
 
@@ -88,7 +88,7 @@ def predict_output_bytes(model: nn.Module, targets, weight_dtype: torch.dtype | 
             total += _quantized_bytes(lin.name, lin.scheme, m.out_features, m.in_features, dtype)
             if target_bits is not None:  # the budget, over the bits the recipe's default would store
                 total += math.ceil(target_bits * m.out_features * m.in_features / 8) - sum(
-                    n for _, n in _stored(lin.scheme, m.out_features, m.in_features, dtype))
+                    n for _, n in stored_bytes(lin.scheme, m.out_features, m.in_features, dtype))
     for es in targets.experts:
         for ex in es:
             for name in EXPERT_PARAMS:
@@ -101,7 +101,7 @@ def predict_output_bytes(model: nn.Module, targets, weight_dtype: torch.dtype | 
         if id(p) in quantized or id(p) in seen:
             continue
         seen.add(id(p))
-        total += _nbytes(p) + _header(name)
+        total += _nbytes(p) + header_bytes(name)
     return total
 
 
