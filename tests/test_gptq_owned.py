@@ -78,17 +78,17 @@ def _compare(rank: int, world: int, scheme: str):
     scales and global scale.  Returns the differences by name, each Linear's writer and the rows
     of every solve this rank ran (tensors stay in the rank)."""
     calls = []
-    orig = GPTQ.quantize
+    orig = GPTQ._setup  # every solve, alone or swept with others (quantize_together), is set up once
 
-    def counted(self, w, *a, **k):
-        calls.append(w.shape[0])
-        return orig(self, w, *a, **k)
+    def counted(self, p, *a, **k):
+        calls.append(p.w.shape[0])
+        return orig(self, p, *a, **k)
 
-    GPTQ.quantize = counted
+    GPTQ._setup = counted
     try:
         got = _solve(rank, world, scheme)
     finally:
-        GPTQ.quantize = orig
+        GPTQ._setup = orig
     one = _solve(0, 1, scheme)
     lins, _ = _job(scheme)
     bad, writers = [], []

@@ -8,7 +8,7 @@ import torch
 from sq.errors import SqError
 from sq.formats.compressed import compress_weight, decompress_weight
 from sq.quant import rtn
-from sq.quant.gptq import GPTQ, GPTQConfig
+from sq.quant.gptq import GPTQ, GPTQConfig, Problem, quantize_together
 from sq.formats.schemes import SCHEME_NAMES, get_scheme
 
 ROWS, COLS, TOKENS = 96, 256, 2048
@@ -356,3 +356,38 @@ def test_cholesky_lower_inverse_by_halves(n):
     bad = A.clone()
     bad[n - 1, n - 1] = -1.0  # the last pivot: in the last leaf, after every Schur complement
     assert _cholesky_lower_inverse(bad.float()) is None
+
+
+@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "NVFP4A16", "MXFP4"])
+@pytest.mark.parametrize("actorder", [False, True])
+def test_weights_solved_together_are_each_solved_alone(name, actorder):
+    """quantize_together: the weights of one width and scheme, each under its own Hessian (q/k/v, o and
+    gate/up of a block; experts' down projections), swept as one stack of rows with each weight's own
+    error pushes: each result is its own solve's, bit for bit (codes, scales, dequantized rows, loss),
+    through a dead input column, a weight stacking two under one Hessian, and a sweep split by max_elems."""
+    s = get_scheme(name, 32)
+    probs = []
+    for seed, rows in [(1, 40), (2, 96), (3, 17), (4, 64)]:
+        x, w = _data(seed)
+        if seed == 3:
+            x[:, 5] = 0  # a dead input column in one weight only
+        probs.append(Problem(_gptq(x), w[:rows].contiguous(), s, f"w{seed}"))
+    stats = None
+    if name == "NVFP4A16":  # the stacked weight's halves under their own global scales
+        w = probs[3].w
+        stats = [{"global_absmax": w[:32].abs().amax().float().reshape(1)},
+                 {"global_absmax": w[32:].abs().amax().float().reshape(1)}]
+    probs[3] = Problem(probs[3].gptq, probs[3].w, s, "stacked", stats)
+    alone = [quantize_together([p], actorder=actorder) for p in probs]
+    for together in (quantize_together(probs, actorder=actorder),
+                     quantize_together(probs, actorder=actorder, max_elems=96 * COLS)):
+        for (a,), b in zip(alone, together):
+            assert torch.equal(a.q.view(torch.uint8), b.q.view(torch.uint8))
+            assert torch.equal(a.scale, b.scale) and torch.equal(a.weight, b.weight) and a.loss == b.loss
+            assert (a.zero_point is None) == (b.zero_point is None)
+            assert a.zero_point is None or torch.equal(a.zero_point, b.zero_point)
+            assert (a.global_scale is None) == (b.global_scale is None)
+            assert a.global_scale is None or torch.equal(a.global_scale, b.global_scale)
+    # and quantize is quantize_together of one
+    r = probs[1].gptq.quantize(probs[1].w, s, actorder=actorder, name="w2")
+    assert torch.equal(r.weight, alone[1][0].weight)

@@ -51,6 +51,7 @@ pipeline goes further and solves such weights as one stack of rows when their sc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -69,7 +70,7 @@ from sq.formats.specs import spec_for
 from sq.quant.settings import AlgoConfig, option
 from sq.formats.schemes import QuantScheme, check_group_size
 
-__all__ = ["GPTQ", "GPTQConfig", "GPTAQConfig", "GPTQResult"]
+__all__ = ["GPTQ", "GPTQConfig", "GPTAQConfig", "GPTQResult", "Problem", "quantize_together"]
 
 logger = logging.getLogger(__name__)
 
@@ -409,22 +410,16 @@ class GPTQ:
         w: Tensor,
         scheme: QuantScheme,
         *,
-        blocksize: int = 128,
-        percdamp: float = 0.01,
-        actorder: bool = False,
-        static_groups: bool = False,
-        max_retries: int = 4,
-        damp_growth: float = 10.0,
         name: str = "linear",
         stats: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor] | None] | None = None,
-        gptaq_alpha: float = 0.0,
-        gptaq_fit: str = "all",
+        **settings: Any,
     ) -> GPTQResult:
         """Quantize ``w [rows, in]`` (any subset of the layer's rows) against ``H``.
 
         ``name`` is used in errors and logs.  ``w`` is not modified; its dtype is the
-        storage dtype of the scales and of the dequantized weight.  See ``GPTQConfig``
-        for the settings.  Group scales computed mid-sweep use the fully updated
+        storage dtype of the scales and of the dequantized weight.  ``settings``: ``GPTQConfig``'s
+        fields (``blocksize``, ``percdamp``, ``actorder`` -- off unless given --, ``static_groups``,
+        ``max_retries``, ``damp_growth``) and GPTAQ's ``gptaq_alpha`` / ``gptaq_fit``.  Group scales computed mid-sweep use the fully updated
         weights (the blocksize is rounded to a multiple of the group size so a group
         never straddles a lazy-update block; the IST-DASLab code reads stale columns
         there).  Solving rows ``[a, b)`` alone reproduces those rows of the full solve
@@ -437,10 +432,15 @@ class GPTQ:
 
         ``gptaq_alpha``: where full-precision inputs were accumulated (``add_batch(x, x_fp)``), the
         weight of GPTAQ's correction toward the full-precision outputs, ``gptaq_fit`` its form
-        (``_asymmetric_map``); 0: GPTQ.
+        (``_asymmetric_map``); 0: GPTQ.  ``quantize_together`` solves several weights in one sweep.
         """
-        cfg = GPTQConfig(blocksize, percdamp, actorder, static_groups, max_retries, damp_growth)
+        return quantize_together([Problem(self, w, scheme, name, stats)], **settings)[0]
+
+    def _setup(self, p: Problem, cfg: GPTQConfig, gptaq_alpha: float, gptaq_fit: str) -> _Solve:
+        """``p``'s solve up to its sweep: the prepared Hessian, the float32 weights in sweep order,
+        the scales fixed up front (or room for the sweep's)."""
         t0 = time.perf_counter()
+        w, scheme, name = p.w, p.scheme, p.name
         self._check_solvable(w, name)
         check_group_size(name, self.in_features, scheme)
         spec = spec_for(scheme)
@@ -450,22 +450,23 @@ class GPTQ:
         rows, cols = w.shape
         wdtype = w.dtype
         dev = w.device
-        segs = _segments(w, spec, stats, name)  # [(row slice, stats)]: one per stacked weight
+        segs = _segments(w, spec, p.stats, name)  # [(row slice, stats)]: one per stacked weight
         gscales = [_global_scale(st, spec, wdtype) for _, st in segs]
 
         if gptaq_fit not in GPTAQ_FITS:
             raise SqError(f"{name}: gptaq_fit must be one of {', '.join(GPTAQ_FITS)}, got {gptaq_fit!r}")
         prep = self._prepare(cfg, dev, name, gptaq_fit)
-        dead, perm, hdiag = prep.dead, prep.perm, prep.hdiag
-        W = w.to(torch.float32).clone()
-        W[:, dead] = 0
+        W = w.to(torch.float32, copy=True)
+        if prep.n_dead:
+            W[:, prep.dead] = 0
         if gptaq_alpha and prep.asym is not None:
             W.add_(W @ prep.asym, alpha=gptaq_alpha)
-            W[:, dead] = 0
+            if prep.n_dead:
+                W[:, prep.dead] = 0
 
         # Scales fixed up front come from the unpermuted, dead-zeroed weights in their
         # storage dtype: for a layer without dead columns they equal RTN's exactly.
-        fixed = scheme.strategy == "channel" or cfg.actorder or cfg.static_groups
+        fixed = _fixed_scales(scheme, cfg)
         if fixed:
             scale, zp = _qparams(W.to(wdtype), spec, segs)
         else:
@@ -477,58 +478,21 @@ class GPTQ:
         gs_rows = None
         if spec.global_scale:
             gs_rows = torch.cat([g.expand(sl.stop - sl.start) for (sl, _), g in zip(segs, gscales)]).to(dev)
-        group_spec = dataclasses.replace(spec, granularity=primitives.PerChannel())  # one group, per row
-        if perm is not None:
-            W = W[:, perm]
-
-        group_of = _group_of(scheme, cols, perm)  # column j (in sweep order) uses scale column group_of[j]
-
-        # Groups must not straddle blocks when their scales are computed mid-sweep: the
-        # columns of the next block have not yet received this block's lazy update.
-        bs = cfg.blocksize
-        if not fixed and bs % scheme.group_size:
-            bs = max(scheme.group_size, bs - bs % scheme.group_size)
-        # sub-blocks likewise: a group starting mid-block starts a sub-block
-        sub = _SUB_BLOCK if fixed else math.gcd(_SUB_BLOCK, scheme.group_size)
-
-        # The sweep works on transposed copies so that a column of W is a contiguous row
-        # in memory: Wt [cols, rows], Qt [cols, rows].
-        Wt = W.T.contiguous()
-        del W
-        Qt = torch.empty(cols, rows, dtype=scheme.storage_dtype, device=dev)
+        if prep.perm is not None:
+            W = W.index_select(1, prep.perm)  # (3x a column gather by indexing)
         # per-group scale / zero point as contiguous float32 rows: [n_groups, rows]
         scale_t = scale.T.to(torch.float32).contiguous()
         if gs_rows is not None:
             scale_t = scale_t / gs_rows
         zp_t = None if zp is None else zp.T.to(torch.float32).contiguous()
-        losses = torch.zeros(rows, dtype=torch.float32, device=dev)
-        int_codes = spec.qtype.kind == "int" and Qt.dtype == torch.int8
-        sweep = _Sweep(scheme, segs, group_spec, wdtype, fixed, group_of, scale, zp, scale_t, zp_t, gs_rows, sub,
-                       int_codes, spec.qtype.qmin, spec.qtype.qmax)
-        # The error pushed onto later columns is (w - dq) / Hinv_jj times Hinv's row j: the rows are
-        # divided by their diagonal once (Hs), so a column's error is w - dq alone
-        Hs = prep.Hs
-        qf = torch.empty(min(bs, cols), rows, dtype=torch.float32, device=dev) if int_codes else None
-        for i1 in range(0, cols, bs):
-            i2 = min(i1 + bs, cols)
-            Err1 = _sweep_block(sweep, Wt[i1:i2], Qt[i1:i2], Hs[i1:i2, i1:i2], i1, qf)
-            losses += (Err1 / hdiag[i1:i2, None]).square_().sum(dim=0) / 2
-            # lazy batch update of every column after the block
-            if i2 < cols:
-                Wt[i2:].addmm_(Hs[i1:i2, i2:].T, Err1, alpha=-1)
-        del Wt
-        Q = Qt.T.contiguous()
-        del Qt
+        return _Solve(p, cfg, prep, spec, segs, gscales, W, scale, zp, scale_t, zp_t, gs_rows,
+                      _group_of(scheme, cols, prep.perm), t0)
 
-        if perm is not None:
-            Q = Q[:, torch.argsort(perm)]
-        return self._result(w, Q, sweep, gscales, losses, prep, cfg, t0)
-
-    def _result(self, w: Tensor, Q: Tensor, sweep: _Sweep, gscales: list, losses: Tensor, prep, cfg,
-                t0: float) -> GPTQResult:
+    def _result(self, s: _Solve, Q: Tensor, losses: Tensor) -> GPTQResult:
         """The solve's result: the dequantized weight (each stacked weight under its own global
-        scale), the loss and relative error, and the solve's facts (``prep``: the Hessian's)."""
-        wdtype, scheme, segs, scale, zp = w.dtype, sweep.scheme, sweep.segs, sweep.scale, sweep.zp
+        scale), the loss and relative error, and the solve's facts (``s.prep``: the Hessian's)."""
+        w, scheme, segs, scale, zp, gscales = s.problem.w, s.problem.scheme, s.segs, s.scale, s.zp, s.gscales
+        wdtype, prep, cfg = w.dtype, s.prep, s.cfg
         dead, damp = prep.dead, prep.damp
         if len(segs) > 1:
             weight = torch.cat([rtn.dequantize(Q[sl], scale[sl], None if zp is None else zp[sl], scheme, global_scale=g)
@@ -547,77 +511,223 @@ class GPTQ:
             retries=prep.retries,
             dead_columns=prep.n_dead,
             nsamples=self.nsamples,
-            seconds=time.perf_counter() - t0,
-            global_scale=torch.cat(gscales) if spec_for(scheme).global_scale else None,
+            seconds=time.perf_counter() - s.t0,
+            global_scale=torch.cat(gscales) if s.spec.global_scale else None,
             _rel_err=lambda: _relative_error(w, weight, dead, prep.h_err(), loss, damp),
         )
 
 
-@dataclass
-class _Sweep:
-    """One solve's quantizer for the column sweep (``_sweep_block``): the scales, fixed up front or
-    set per group as the sweep reaches it, and the per-group float32 rows it reads them through."""
+@dataclass(frozen=True)
+class Problem:
+    """One weight to solve: ``GPTQ.quantize``'s arguments, for ``quantize_together``."""
 
+    gptq: GPTQ
+    w: Tensor
     scheme: QuantScheme
-    segs: list
-    group_spec: primitives.QuantSpec  # the scheme's spec with one group per row
-    wdtype: torch.dtype
-    fixed: bool  # scales fixed up front (channel, act-order, static groups)
-    group_of: list[int]  # column j (in sweep order) uses scale column group_of[j]
+    name: str = "linear"
+    stats: Any = None
+
+
+# the most weight elements one sweep of several problems holds at once (float32: 64 MiB), unless one
+# problem alone is larger (``quantize_together``)
+BATCH_ELEMS = 1 << 24
+
+
+def _fixed_scales(scheme: QuantScheme, cfg: GPTQConfig) -> bool:
+    """Whether the scales are fixed before the sweep (per channel, act-order, static groups)."""
+    return scheme.strategy == "channel" or cfg.actorder or cfg.static_groups
+
+
+@torch.no_grad()
+def quantize_together(problems: Sequence[Problem], *, blocksize: int = 128, percdamp: float = 0.01,
+                      actorder: bool = False, static_groups: bool = False, max_retries: int = 4,
+                      damp_growth: float = 10.0, gptaq_alpha: float = 0.0, gptaq_fit: str = "all",
+                      max_elems: int = BATCH_ELEMS) -> list[GPTQResult]:
+    """Each problem's ``GPTQ.quantize`` (same settings), in order, bit for bit, with one column sweep for
+    the problems of one width, scheme, dtype and device (each under its own Hessian: q/k/v, o_proj
+    and gate/up of a block; experts' down projections), up to ``max_elems`` weight elements a sweep.
+
+    The sweep's per-column work is Python-bound on CPU and kernel-launch-bound on GPU (a column of a
+    few hundred rows costs microseconds of maths and a dozen dispatches): with the problems' rows side
+    by side the column's quantization is one set of ops over all of them, and only each problem's
+    error push stays its own (one rank-1 product per problem, on its columns of the shared buffer).
+    Every element sees the same operations in the same order as in its own sweep (the products on a
+    problem's slice are its own products; tests/test_quant_gptq.py checks the bits)."""
+    cfg = GPTQConfig(blocksize, percdamp, actorder, static_groups, max_retries, damp_growth)
+    out: list[GPTQResult | None] = [None] * len(problems)
+    groups: dict[tuple, list[list[int]]] = {}
+    for k, p in enumerate(problems):
+        chunks = groups.setdefault((p.w.shape[1] if p.w.ndim == 2 else None, p.scheme, p.w.dtype, p.w.device), [[]])
+        elems = sum(problems[j].w.numel() for j in chunks[-1])
+        if chunks[-1] and elems + p.w.numel() > max_elems:
+            chunks.append([])
+        chunks[-1].append(k)
+    for chunks in groups.values():
+        for idx in chunks:
+            solves = [problems[k].gptq._setup(problems[k], cfg, gptaq_alpha, gptaq_fit) for k in idx]
+            for k, s, (Q, losses) in zip(idx, solves, _sweep(solves)):
+                out[k] = s.problem.gptq._result(s, Q, losses)
+    return out
+
+
+@dataclass
+class _Solve:
+    """One weight's solve, set up (``GPTQ._setup``): its stored scales, fixed up front or set per group as
+    the sweep reaches it, and the float32 rows per group the sweep reads them through."""
+
+    problem: Problem
+    cfg: GPTQConfig
+    prep: _Prepared
+    spec: primitives.QuantSpec
+    segs: list  # [(row slice, stats)]: one per stacked weight
+    gscales: list  # each segment's global scale (NVFP4) or None
+    W: Tensor | None  # [rows, cols] float32 in sweep order, dead columns zeroed (moved into the sweep's buffer)
     scale: Tensor  # [rows, n_groups], the stored scales
     zp: Tensor | None
     scale_t: Tensor  # [n_groups, rows] float32 (divided by the global scale, NVFP4)
     zp_t: Tensor | None
     gs_rows: Tensor | None  # each row's global scale (NVFP4)
-    sub: int  # the sub-block (see _SUB_BLOCK)
-    int_codes: bool  # int8 codes: made in float32 scratch, cast once per block
-    qmin: float
-    qmax: float
-
-    def __post_init__(self) -> None:
-        self.s_rows = self.scale_t.unbind(0)  # views: the mid-sweep scales write through them
-        self.z_rows = None if self.zp_t is None else self.zp_t.unbind(0)
+    group_of: list[int]  # column j (in sweep order) uses scale column group_of[j]
+    t0: float
 
 
-def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: Tensor, i1: int, qf: Tensor | None) -> Tensor:
-    """Quantize the columns ``W1 [count, rows]`` (transposed: a column is a contiguous row; updated in
-    place) into ``Q1``, each column's error pushed onto the block's later columns; returns the errors
-    ``w - dq`` ``[count, rows]``.  ``Hs1``: the block of ``Hinv``'s rows over their diagonal; ``i1``:
-    the block's first column in sweep order; ``qf``: float32 scratch for int codes."""
+class _Sweep:
+    """The column sweep of one or more solves of one width and scheme, their rows side by side:
+    ``Wt [cols, R]`` (transposed: a column is a contiguous row of all solves' rows), each solve's
+    rows a slice ``span`` of ``R``."""
+
+    def __init__(self, solves: list[_Solve]):
+        first = solves[0]
+        self.solves = solves
+        scheme, cfg = first.problem.scheme, first.cfg
+        self.scheme, self.wdtype, self.fixed = scheme, first.problem.w.dtype, _fixed_scales(scheme, cfg)
+        rows = [s.W.shape[0] for s in solves]
+        self.spans = [slice(a, a + r) for a, r in zip(itertools.accumulate([0] + rows), rows)]
+        cols, R, dev = first.W.shape[1], sum(rows), first.W.device
+        self.cols = cols
+        self.Wt = torch.empty(cols, R, dtype=torch.float32, device=dev)
+        for s, sl in zip(solves, self.spans):
+            self.Wt[:, sl].copy_(s.W.T)
+            s.W = None
+        self.Qt = torch.empty(cols, R, dtype=scheme.storage_dtype, device=dev)
+        # the scales each column is quantized with, one float32 row over R: rows of the per-group
+        # scales where every solve takes its groups in one order (mid-sweep scales write through
+        # them), else gathered per column (act-order: each Hessian its own column order)
+        one = len(solves) == 1
+        if one or all(s.group_of == first.group_of for s in solves):
+            self.order = first.group_of
+            self.scale_t = first.scale_t if one else torch.cat([s.scale_t for s in solves], dim=1)
+            self.zp_t = first.zp_t if one or first.zp_t is None else torch.cat([s.zp_t for s in solves], dim=1)
+            self.s_rows = self.scale_t.unbind(0)  # views: the mid-sweep scales write through them
+            self.z_rows = None if self.zp_t is None else self.zp_t.unbind(0)
+        else:  # scales fixed up front, each solve's own column order: gathered a block at a time
+            self.order = None
+            self.idx = [torch.tensor(s.group_of, device=dev) for s in solves]
+            self.s_buf = torch.empty(min(cfg.blocksize, cols), R, dtype=torch.float32, device=dev)
+            self.z_buf = None if first.zp_t is None else torch.empty_like(self.s_buf)
+        self.group_spec = dataclasses.replace(first.spec, granularity=primitives.PerChannel())  # one group a row
+        # Groups must not straddle blocks when their scales are computed mid-sweep: the
+        # columns of the next block have not yet received this block's lazy update.
+        bs = cfg.blocksize
+        if not self.fixed and bs % scheme.group_size:
+            bs = max(scheme.group_size, bs - bs % scheme.group_size)
+        self.bs = bs
+        # sub-blocks likewise: a group starting mid-block starts a sub-block
+        self.sub = _SUB_BLOCK if self.fixed else math.gcd(_SUB_BLOCK, scheme.group_size)
+        self.int_codes = first.spec.qtype.kind == "int" and self.Qt.dtype == torch.int8
+        self.qmin, self.qmax = first.spec.qtype.qmin, first.spec.qtype.qmax
+
+    def new_scales(self, W1: Tensor, i: int, g: int) -> None:
+        """Each solve's scales of group ``g`` from its current (error-updated) weights, the group's
+        columns ``W1[i : i + group_size]``: compressed-tensors' scales of those weights."""
+        gsize = self.scheme.group_size
+        for s, sl in zip(self.solves, self.spans):
+            sc, z = _qparams(W1[i : i + gsize, sl].to(self.wdtype).T.contiguous(), self.group_spec, s.segs)
+            s.scale[:, g : g + 1] = sc
+            self.scale_t[g, sl] = sc[:, 0] if s.gs_rows is None else sc[:, 0].to(torch.float32) / s.gs_rows
+            if s.zp is not None:
+                s.zp[:, g : g + 1] = z
+                self.zp_t[g, sl] = z[:, 0]
+
+
+    def block_scales(self, i1: int, count: int) -> tuple[list[Tensor], list[Tensor | None]]:
+        """The scale and zero-point rows ``[R]`` of the columns ``i1 .. i1 + count`` (sweep order)."""
+        if self.order is not None:
+            groups = self.order[i1 : i1 + count]
+            return ([self.s_rows[g] for g in groups],
+                    [self.z_rows[g] for g in groups] if self.z_rows is not None else [None] * count)
+        for s, sl, idx in zip(self.solves, self.spans, self.idx):
+            self.s_buf[:count, sl] = s.scale_t.index_select(0, idx[i1 : i1 + count])
+            if self.z_buf is not None:
+                self.z_buf[:count, sl] = s.zp_t.index_select(0, idx[i1 : i1 + count])
+        return (self.s_buf[:count].unbind(0),
+                self.z_buf[:count].unbind(0) if self.z_buf is not None else [None] * count)
+
+
+def _sweep(solves: list[_Solve]) -> list[tuple[Tensor, Tensor]]:
+    """The column sweep of ``solves`` (one width, scheme and dtype): each solve's codes ``Q [rows, in]``
+    in its column order and its loss per row."""
+    sw = _Sweep(solves)
+    Wt, Qt, cols, bs = sw.Wt, sw.Qt, sw.cols, sw.bs
+    dev = Wt.device
+    losses = [torch.zeros(sl.stop - sl.start, dtype=torch.float32, device=dev) for sl in sw.spans]
+    # The error pushed onto later columns is (w - dq) / Hinv_jj times Hinv's row j: the rows are
+    # divided by their diagonal once (Hs), so a column's error is w - dq alone
+    Hs = [s.prep.Hs for s in solves]
+    qf = torch.empty(min(bs, cols), Wt.shape[1], dtype=torch.float32, device=dev) if sw.int_codes else None
+    for i1 in range(0, cols, bs):
+        i2 = min(i1 + bs, cols)
+        Err1 = _sweep_block(sw, Wt[i1:i2], Qt[i1:i2], [h[i1:i2, i1:i2] for h in Hs], i1, qf)
+        for s, sl, h, loss in zip(solves, sw.spans, Hs, losses):
+            E = Err1[:, sl]
+            loss += (E / s.prep.hdiag[i1:i2, None]).square_().sum(dim=0) / 2
+            # lazy batch update of every column after the block
+            if i2 < cols:
+                Wt[i2:, sl].addmm_(h[i1:i2, i2:].T, E, alpha=-1)
+    del sw.Wt, Wt
+    out = []
+    for s, sl, loss in zip(solves, sw.spans, losses):
+        Qb = Qt[:, sl]
+        if s.prep.perm is not None:  # back to the weight's column order: whole rows of Qt gathered
+            Qb = Qb.index_select(0, torch.argsort(s.prep.perm))
+        out.append((Qb.T.contiguous(), loss))
+    return out
+
+
+def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: list[Tensor], i1: int, qf: Tensor | None) -> Tensor:
+    """Quantize the columns ``W1 [count, R]`` (transposed: a column is a contiguous row; updated in
+    place) into ``Q1``, each column's error pushed onto the block's later columns of its own solve;
+    returns the errors ``w - dq`` ``[count, R]``.  ``Hs1``: each solve's block of ``Hinv``'s rows over
+    their diagonal; ``i1``: the block's first column in sweep order; ``qf``: float32 scratch for int codes."""
     count = W1.shape[0]
-    scheme, wdtype, sub = sw.scheme, sw.wdtype, sw.sub
+    wdtype, sub = sw.wdtype, sw.sub
     Err1 = torch.empty_like(W1)
     # every per-column view made at once: indexing a tensor per column cost as much as the
     # column's maths (Python overhead dominates the sweep on CPU)
     w_rows, e_rows, q_rows = W1.unbind(0), Err1.unbind(0), Q1.unbind(0)
     qf_rows = qf[:count].unbind(0) if sw.int_codes else [None] * count  # the codes, in float32
-    e_mats = Err1.unsqueeze(1).unbind(0)  # [1, rows]
-    # each column's error goes onto the later columns of its sub-block at once (one rank-1
-    # product per column over sub rows, not over the block's), onto the rest of the block by
-    # one product per sub-block: the block's lazy update, one level down
-    w_subs = [W1[a : a + sub] for a in range(0, count, sub)]
-    # per column: its row of Hs1 within its sub-block, or None for a sub-block's last column
-    h_cols = [Hs1[i, a : a + sub].unsqueeze(1) if i + 1 < min(a + sub, count) else None
-              for a in range(0, count, sub) for i in range(a, min(a + sub, count))]  # [sub, 1]
-    s_cols = [sw.s_rows[g] for g in sw.group_of[i1 : i1 + count]]  # views: mid-sweep scales land in them
-    z_cols = [sw.z_rows[g] for g in sw.group_of[i1 : i1 + count]] if sw.z_rows is not None else [None] * count
-    recompute, gsize, int_codes, cast = not sw.fixed, scheme.group_size, sw.int_codes, wdtype != torch.float32
-    qmin, qmax = sw.qmin, sw.qmax
+    # per solve: each column's error goes onto the later columns of its sub-block at once (one rank-1
+    # product per column over sub rows, not over the block's), onto the rest of the block by one
+    # product per sub-block: the block's lazy update, one level down
+    pushes, ends = [], []
+    last = [i + 1 == min(i - i % sub + sub, count) for i in range(count)]  # a sub-block's last column
+    for sl, H1 in zip(sw.spans, Hs1):
+        Wb, Eb = W1[:, sl], Err1[:, sl]
+        # per column but a sub-block's last: the sub-block's later columns and their entries of the
+        # column's row of H1 ([k, 1])
+        later = [None if last[i] else (Wb[i + 1 : min(i - i % sub + sub, count)],
+                                       H1[i, i + 1 : min(i - i % sub + sub, count)].unsqueeze(1)) for i in range(count)]
+        pushes.append((later, Eb.unsqueeze(1).unbind(0)))  # error rows as [1, rows] views
+        ends.append((Wb, Eb, H1))
+    s_cols, z_cols = sw.block_scales(i1, count)  # (views: mid-sweep scales land in them)
+    recompute, gsize, int_codes, cast = not sw.fixed, sw.scheme.group_size, sw.int_codes, wdtype != torch.float32
+    scheme, qmin, qmax = sw.scheme, sw.qmin, sw.qmax
     div, sub_ = torch.div, torch.sub
     # the loop is Python-bound on CPU (a few microseconds per op on a column of a few hundred rows):
     # everything it reads is a local, made above
-    for i, (w_col, s32, z32, e_row, e_mat, h_col, qrow) in enumerate(
-            zip(w_rows, s_cols, z_cols, e_rows, e_mats, h_cols, qf_rows)):
+    for i, (w_col, s32, z32, e_row, qrow) in enumerate(zip(w_rows, s_cols, z_cols, e_rows, qf_rows)):
         if recompute and (i1 + i) % gsize == 0:
-            g = sw.group_of[i1 + i]
-            # compressed-tensors' scales of this group's current (error-updated)
-            # weights: [group, rows] -> [rows, 1]
-            s, z = _qparams(W1[i : i + gsize].to(wdtype).T.contiguous(), sw.group_spec, sw.segs)
-            sw.scale[:, g : g + 1] = s
-            sw.scale_t[g] = s[:, 0] if sw.gs_rows is None else s[:, 0].to(torch.float32) / sw.gs_rows
-            if sw.zp is not None:
-                sw.zp[:, g : g + 1] = z
-                sw.zp_t[g] = z[:, 0]
+            sw.new_scales(W1, i, sw.order[i1 + i])
         # float32 copies of the scale give the same bits as the stored dtype: the
         # library promotes it to float32 for this division anyway (NVFP4: scale /
         # global scale, which the library computes in float32 first, is s32)
@@ -641,15 +751,16 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: Tensor, i1: int, qf: T
         if cast:
             dq = dq.to(wdtype)
         sub_(w_col, dq, out=e_row)
-        # push the error onto this sub-block's later columns (rank-1; the earlier rows get
-        # 0 * err, and row i itself, already quantized, is not read again).  addmm_ with
-        # an inner dim of 1 is BLAS (addr_ is far slower on CPU); the whole sub-block
-        # avoids a slice per column
-        if h_col is not None:
-            w_subs[i // sub].addmm_(h_col, e_mat, alpha=-1)
+        # push the error onto this sub-block's later columns (rank-1: addmm_ with an inner dim
+        # of 1 is BLAS, addr_ is far slower on CPU; the views were made before the loop)
+        if not last[i]:
+            for later, e_mats in pushes:
+                w_later, h_col = later[i]
+                w_later.addmm_(h_col, e_mats[i], alpha=-1)
         elif i + 1 < count:  # the sub-block done: its errors onto the block's later columns
             a = i + 1 - sub
-            W1[i + 1 :].addmm_(Hs1[a : i + 1, i + 1 :].T, Err1[a : i + 1], alpha=-1)
+            for Wb, Eb, H1 in ends:
+                Wb[i + 1 :].addmm_(H1[a : i + 1, i + 1 :].T, Eb[a : i + 1], alpha=-1)
     if sw.int_codes:
         Q1.copy_(qf[:count])  # integral values: the int8 cast is exact
     return Err1

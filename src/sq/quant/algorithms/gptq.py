@@ -21,7 +21,7 @@ from sq.quant.forward import InputLeaders, block_forward, paired_forward
 from sq.formats import primitives
 from sq.formats.specs import spec_for
 from sq.quant.experts import whole_rows_stats
-from sq.quant.gptq import GPTAQConfig, GPTQ, GPTQConfig
+from sq.quant.gptq import BATCH_ELEMS, GPTAQConfig, GPTQ, GPTQConfig, Problem, quantize_together
 from sq.quant.recipe import scheme_tag
 
 # Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
@@ -154,13 +154,13 @@ class GPTQAlgorithm(Algorithm):
         if owners is not None:
             stacks = [st for st, o in zip(stacks, owners) if o == facts.rank]
             solve += [(n * rows * wb, 1) for n, rows in stacks] + [(n * rows * (wb + 1), 1) for n, rows in stacks]
-        jobs = [(n, n * rows) for n, rows in stacks]
+        jobs = _sweeps(stacks)  # (width, solves, elements) of each sweep
         for n, h, i in b.experts_modules:
             own = facts.owned_experts(n)
-            jobs += [(h, min(max(EXPERT_STACK_ELEMS, 2 * i * h), own * 2 * i * h)), (i, min(max(EXPERT_STACK_ELEMS, i * h),
-                                                                                            own * i * h))]
-        if jobs:
-            solve += max(([(8 * w * w, 1), (4 * w * w, 2), (4 * e, 2), (2 * e, 2), (e, 1)] for w, e in jobs),
+            down = min(max(EXPERT_STACK_ELEMS, i * h), own * i * h)
+            jobs += [(h, 1, min(max(EXPERT_STACK_ELEMS, 2 * i * h), own * 2 * i * h)), (i, down // (i * h), down)]
+        if jobs:  # one factorization's working copies, each solve's prepared factor, the sweep's rows
+            solve += max(([(8 * w * w, 1), (4 * w * w, 1 + k), (4 * e, 2), (2 * e, 2), (e, 1)] for w, k, e in jobs),
                          key=lambda bufs: sum(n * k for n, k in bufs))
         return held, solve
 
@@ -185,7 +185,9 @@ class GPTQAlgorithm(Algorithm):
                                  collectives=len(b.linears) + len(stacks) + 1)  # gathers, scatters, the verdict
             stacks = [st for st, o in zip(stacks, owners) if o == facts.rank]
         for n, rows in stacks:  # (and the reported error through H: 2 rows n^2)
-            solve = solve + Cost(factor=n**3, solves=1, columns=n, cells=n * rows, gemm32=2 * rows * n * n)
+            solve = solve + Cost(factor=n**3, solves=1, cells=n * rows, gemm32=2 * rows * n * n)
+        for n, k, _ in _sweeps(stacks):  # a sweep's column steps, and each further solve's error push in them
+            solve = solve + Cost(columns=n, ops=n * (k - 1))
         for n_e, h, i in b.experts_modules:
             # --ep E: E/ep experts a rank, their rows split over dp = world/ep; --ep 1: FSDP2 splits the experts
             # themselves over the world, rows whole.  Its experts see the tokens of the ranks holding the others
@@ -201,10 +203,12 @@ class GPTQAlgorithm(Algorithm):
                                      gemm32=2 * own * up_rows * h * h)
             else:
                 cal = cal + Cost(gemm64=2 * routed * own * (h * h + i * i))
-                solve = solve + Cost(factor=own * h**3, solves=own, columns=own * h, cells=own * h * up_rows,
-                                     gemm32=2 * own * up_rows * h * h)
-            solve = solve + Cost(factor=own * i**3, solves=own, columns=own * i, cells=own * i * down_rows,
-                                 gemm32=2 * own * down_rows * i * i, ops=2 * own * EXPERT_SOLVE_OPS)
+                ups = math.ceil(own / max(1, EXPERT_STACK_ELEMS // (up_rows * h)))  # each its own Hessian, swept together
+                solve = solve + Cost(factor=own * h**3, solves=own, columns=ups * h, cells=own * h * up_rows,
+                                     gemm32=2 * own * up_rows * h * h, ops=(own - ups) * h)
+            sweeps = math.ceil(own / max(1, EXPERT_STACK_ELEMS // (down_rows * i)))  # several experts a sweep
+            solve = solve + Cost(factor=own * i**3, solves=own, columns=sweeps * i, cells=own * i * down_rows,
+                                 gemm32=2 * own * down_rows * i * i, ops=2 * own * EXPERT_SOLVE_OPS + (own - sweeps) * i)
         return {"calibrate": cal, "solve": solve}
 
     def _rows(self, g: GPTQ | None, w: torch.Tensor, scheme, name: str, stats=None, row_offset: int = 0) -> Solved:
@@ -246,24 +250,33 @@ class GPTQAlgorithm(Algorithm):
                 stacks.append((g, [i]))
         if owned:
             return self._solve_owned(work, items, stacks, out)
-        for g, idx in stacks:
-            for i, s in zip(idx, self._solve_stack(work, g, [items[i][0] for i in idx], [items[i][1] for i in idx])):
+        for (g, idx), solved in zip(stacks, self._solve_stacks(work, [(g, [items[i][0] for i in idx],
+                                                                         [items[i][1] for i in idx]) for g, idx in stacks])):
+            for i, s in zip(idx, solved):
                 out[i] = s
         return out
 
-    def _solve_stack(self, work: BlockWork, g: GPTQ, lins, ws) -> list[Solved]:
-        """One column loop for the rows ``ws`` (one tensor per Linear of ``lins``, all under ``g``)."""
-        if len(lins) == 1:  # (_rows sets H: a stack has rows)
-            return [self._rows(g, ws[0], lins[0].scheme, lins[0].name, work.linear_stats.get(lins[0].name))]
-        heights = [w.shape[0] for w in ws]
-        solved = self._rows(g, torch.cat(ws), lins[0].scheme, " + ".join(l.name for l in lins),
-                            work.linear_stats.get(lins[0].name))
-        # own storage per Linear (safetensors refuses tensors that share memory in one file)
-        parts = [[p.clone() for p in t.split(heights)] if t is not None else [None] * len(lins)
-                 for t in (solved.q, solved.scale, solved.zero_point)] + [solved.deq.split(heights)]
-        gs = solved.global_scale
-        return [Solved(q, sc, z, d, H=g.H, global_scale=None if gs is None else gs.clone())
-                for q, sc, z, d in zip(*parts)]
+    def _solve_stacks(self, work: BlockWork, stacks) -> list[list[Solved]]:
+        """``stacks``: ``(g, lins, ws)``, the rows ``ws`` (one tensor per Linear of ``lins``, all under ``g``);
+        one ``Solved`` per Linear.  Each stack is one problem of ``quantize_together``: one column sweep for
+        the stacks of one width and scheme, each under its own Hessian."""
+        problems = [Problem(g, ws[0] if len(ws) == 1 else torch.cat(ws), lins[0].scheme,
+                            " + ".join(l.name for l in lins), work.linear_stats.get(lins[0].name))
+                    for g, lins, ws in stacks]
+        out = []
+        for (g, lins, ws), r in zip(stacks, quantize_together(problems, **self.config.to_dict())):
+            solved = Solved(r.q, r.scale, r.zero_point, r.weight.to(ws[0].dtype), H=g.H, global_scale=r.global_scale)
+            if len(lins) == 1:
+                out.append([solved])
+                continue
+            heights = [w.shape[0] for w in ws]
+            # own storage per Linear (safetensors refuses tensors that share memory in one file)
+            parts = [[p.clone() for p in t.split(heights)] if t is not None else [None] * len(lins)
+                     for t in (solved.q, solved.scale, solved.zero_point)] + [solved.deq.split(heights)]
+            gs = solved.global_scale
+            out.append([Solved(q, sc, z, d, H=g.H, global_scale=None if gs is None else gs.clone())
+                        for q, sc, z, d in zip(*parts)])
+        return out
 
     def _solve_owned(self, work: BlockWork, items, stacks, out) -> list[Solved]:
         """Each stack solved whole by one rank, instead of every stack by every rank over its rows.
@@ -288,14 +301,13 @@ class GPTQAlgorithm(Algorithm):
                 full[i] = gather_rows(items[i][1], counts[i], o)
         mine: dict[int, Solved] = {}
         failure = None
-        for (g, idx), o in zip(stacks, owners):
-            if o != rank:
-                continue
-            try:
-                mine.update(zip(idx, self._solve_stack(work, g, [items[i][0] for i in idx], [full[i] for i in idx])))
-            except Exception as e:  # every rank must learn of it, or the others wait in the scatter
-                failure = e
-                break
+        own = [(g, idx) for (g, idx), o in zip(stacks, owners) if o == rank]
+        try:
+            for (g, idx), solved in zip(own, self._solve_stacks(work, [(g, [items[i][0] for i in idx],
+                                                                        [full[i] for i in idx]) for g, idx in own])):
+                mine.update(zip(idx, solved))
+        except Exception as e:  # every rank must learn of it, or the others wait in the scatter
+            failure = e
         full.clear()
         failed = torch.tensor([failure is not None], dtype=torch.int32, device=work.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
@@ -322,20 +334,29 @@ class GPTQAlgorithm(Algorithm):
         stats = work.expert_stats.get((eprefix, pname))
         return whole_rows_stats(stats[e - local_experts(ex).start], f"{eprefix}.{e}.{pname}") if stats else None
 
-    def solve_expert(self, work, eprefix, ex, pname, e, w, scheme) -> Solved:
+    def _expert_hessian(self, work, eprefix, ex, pname, e) -> GPTQ | None:
+        """Expert ``e``'s accumulator for ``pname``; None where it saw no token (RTN; a gate/up so
+        solved is reported as a fallback)."""
         calib = work.state["calibs"].get(id(ex))
         g = (calib.h_in if pname == "gate_up_proj" else calib.h_mid)[e] if calib is not None else None
         if g is not None and g.nsamples == 0:
             g = None
             if pname == "gate_up_proj":
                 work.state.setdefault("fallback", []).append(f"{eprefix}.{e}")
-        return self._rows(g, w, scheme, f"{eprefix}.{e}.{pname}", self._expert_stats(work, eprefix, ex, pname, e))
+        return g
+
+    def solve_expert(self, work, eprefix, ex, pname, e, w, scheme) -> Solved:
+        return self._rows(self._expert_hessian(work, eprefix, ex, pname, e), w, scheme, f"{eprefix}.{e}.{pname}",
+                          self._expert_stats(work, eprefix, ex, pname, e))
 
     def solve_experts(self, work, eprefix, ex, pname, local, first, scheme) -> Iterable[Solved]:
         calib = work.state["calibs"].get(id(ex))
         shared = calib.h_in[calib.mine.start] if calib is not None and calib.calibrate_all and len(calib.mine) else None
-        if not (pname == "gate_up_proj" and shared is not None and shared.nsamples and local.shape[0] and local.shape[1]):
+        if not (local.shape[0] and local.shape[1]):
             yield from super().solve_experts(work, eprefix, ex, pname, local, first, scheme)
+            return
+        if not (pname == "gate_up_proj" and shared is not None and shared.nsamples):
+            yield from self._solve_each(work, eprefix, ex, pname, local, first, scheme)
             return
         # One Hessian for every expert (calibrate-all): GPTQ's rows are independent given it, so
         # the experts' rows are solved stacked, a few experts per sweep, instead of one column
@@ -357,6 +378,25 @@ class GPTQAlgorithm(Algorithm):
                                                   s.scale.view(b - a, rows, -1).unbind(0), zs,
                                                   s.deq.view(b - a, rows, cols).unbind(0), gs)]
             del s
+
+    def _solve_each(self, work, eprefix, ex, pname, local, first, scheme) -> Iterable[Solved]:
+        """Experts each under its own Hessian (down projections; gate/up without calibrate-all): a few
+        experts' rows side by side in one column sweep (``quantize_together``: each its own solve's
+        bits), as many as ``EXPERT_STACK_ELEMS`` weight elements."""
+        n, rows, cols = local.shape
+        per = max(1, EXPERT_STACK_ELEMS // (rows * cols))
+        for a in range(0, n, per):
+            gs = {i: self._expert_hessian(work, eprefix, ex, pname, first + i) for i in range(a, min(n, a + per))}
+            solve = [i for i, g in gs.items() if g is not None]
+            results = dict(zip(solve, quantize_together(
+                [Problem(gs[i], local[i].detach().clone(), scheme, f"{eprefix}.{first + i}.{pname}",
+                         self._expert_stats(work, eprefix, ex, pname, first + i)) for i in solve],
+                **self.config.to_dict())))
+            for i in gs:  # (each expert's rows read before any is solved: the caller writes them back into ``local``)
+                r = results.pop(i, None)
+                yield (rtn_rows(local[i].detach().clone(), scheme, self._expert_stats(work, eprefix, ex, pname, first + i))
+                       if r is None else Solved(r.q, r.scale, r.zero_point, r.weight.to(local.dtype),
+                                                global_scale=r.global_scale))
 
     def fallback_experts(self, work: BlockWork) -> list[str]:
         return work.state.get("fallback", [])
@@ -396,6 +436,19 @@ def _same_stats(scheme, a, b) -> bool:
     if not a or not b:
         return not a and not b
     return all(k in a and k in b and torch.equal(a[k], b[k]) for k in need)
+
+
+def _sweeps(stacks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The column sweeps ``quantize_together`` makes of stacks ``(width, rows)`` (of one scheme): those of one
+    width side by side, up to ``BATCH_ELEMS`` elements a sweep; ``(width, stacks, elements)`` each."""
+    out: dict[int, list[list[int]]] = {}
+    for n, rows in stacks:
+        chunks = out.setdefault(n, [[0, 0]])
+        if chunks[-1][0] and chunks[-1][1] + n * rows > BATCH_ELEMS:
+            chunks.append([0, 0])
+        chunks[-1][0] += 1
+        chunks[-1][1] += n * rows
+    return [(n, k, e) for n, chunks in out.items() for k, e in chunks]
 
 
 def _failure_text(e: BaseException) -> str:
