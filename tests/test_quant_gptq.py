@@ -391,3 +391,51 @@ def test_weights_solved_together_are_each_solved_alone(name, actorder):
     # and quantize is quantize_together of one
     r = probs[1].gptq.quantize(probs[1].w, s, actorder=actorder, name="w2")
     assert torch.equal(r.weight, alone[1][0].weight)
+
+
+def test_calibration_forward_skips_the_last_linears_product():
+    """GPTQ's calibration forward is run for its Hessians alone (block_forward(..., outputs=False)): after the
+    first batch the block's last Linear (down_proj) computes zeros instead of its product, and for a later block
+    of the same kind from the first batch; every Hessian equals the one of full forwards, and the Linear is
+    itself again afterwards."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sq.quant.algorithms.gptq import Counting, GPTQAlgorithm
+    from sq.quant.forward import block_forward
+    from sq.quant.work import Linear
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=32)
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 2, 16, 64, generator=g)
+    pe = model.model.rotary_emb(hidden[0], torch.arange(16)[None].expand(2, -1))
+    inputs = [(h, {"position_embeddings": pe}) for h in hidden]
+    s = get_scheme("W4A16", 32)
+    algo = GPTQAlgorithm(GPTQConfig())
+    for b, block in enumerate(model.model.layers):
+        prefix = f"model.layers.{b}"
+        lins = [Linear(f"{prefix}.{n}", m, f"{prefix}.{n}.", 0, s) for n, m in block.named_modules()
+                if isinstance(m, torch.nn.Linear)]
+        down = block.mlp.down_proj
+        products = []
+        down.register_forward_hook(lambda m, a, out: products.append(bool(out.abs().sum())))
+        full = Counting(lins, torch.device("cpu"))
+        block_forward(block, inputs, 3, inputs[0], counters=[full])
+        full.remove()
+        products.clear()
+        kind = (type(block), tuple(l.name[len(prefix):] for l in lins))
+        last = algo._last_linear.get(kind)
+        lean = Counting(lins, torch.device("cpu"), skip_last=True, last=None if last is None else prefix + last)
+        assert block_forward(block, inputs, 3, inputs[0], counters=[lean], outputs=False) == []
+        if lean.learned is not None:
+            algo._last_linear[kind] = lean.learned[len(prefix):]
+        lean.remove()
+        # block 0 learns it from its first batch (a product, then zeros); block 1 knows it from the start
+        assert products == ([True, False, False] if b == 0 else [False, False, False]), products
+        assert algo._last_linear == {kind: ".mlp.down_proj"}
+        for name in full.gptq:
+            assert torch.equal(full.gptq[name].H, lean.gptq[name].H), name
+        assert set(full.gptq) == set(lean.gptq) and "forward" not in down.__dict__
+        x = torch.randn(2, 96, generator=g)
+        assert torch.equal(down(x), x @ down.weight.T)

@@ -194,11 +194,13 @@ def autocast_to(dtype: torch.dtype | None, device: torch.device):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def block_forward(block: nn.Module, inputs, steps: int, dummy, counters=(), autocast: torch.dtype | None = None
-                  ) -> list[torch.Tensor]:
+def block_forward(block: nn.Module, inputs, steps: int, dummy, counters=(), autocast: torch.dtype | None = None,
+                  outputs: bool = True) -> list[torch.Tensor]:
     """Run every local batch through ``block``; pad with ``dummy`` so all ranks run ``steps`` forwards.
-    ``counters`` (objects with an ``on`` flag) stop counting on dummy batches; ``autocast``: the half dtype
-    the block's matmuls run in (``--calib-dtype mixed``)."""
+    ``counters`` (objects with an ``on`` flag) stop counting on dummy batches, and hear of the first real
+    batch's end where they ask to (``first_pass_done``); ``autocast``: the half dtype the block's matmuls
+    run in (``--calib-dtype mixed``); ``outputs=False``: the block's outputs are not kept (a forward run for
+    its counters only, which may then skip work the outputs alone need)."""
     outs = []
     # the block's weights gathered once for every batch, not once per batch (FSDP2 reshards after
     # each forward: on SmolLM2 at 2 ranks, 15 ms per gather, 118 per job)
@@ -210,8 +212,12 @@ def block_forward(block: nn.Module, inputs, steps: int, dummy, counters=(), auto
             hidden, kw = inputs[i] if real else dummy
             y = block(hidden, **block_kwargs(kw, block))
             y = y[0] if isinstance(y, tuple) else y
-            if real:
+            if real and outputs:
                 outs.append(y.detach())
+            if i == 0 and real and not outputs:
+                for c in counters:
+                    if hasattr(c, "first_pass_done"):
+                        c.first_pass_done()
     return outs
 
 

@@ -4,6 +4,7 @@ their owner, over the rows it holds).  The maths: ``sq.quant.gptq``."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -41,9 +42,15 @@ class Counting:
     ``paired`` (GPTAQ, ``sq.quant.forward.paired_forward``): while ``capturing``, a forward on the
     full-precision chain only keeps each Linear's input; the next forward, on the quantized chain's
     same tokens, accumulates ``H`` and the cross term from both.
+
+    ``skip_last`` (a forward run only for these Hessians: ``block_forward(..., outputs=False)``): after the
+    first batch, the last Linear the block calls (once) computes zeros instead of its product -- its
+    Hessian is its input, and nothing the Hessians read comes after it (a dense block's down_proj: a
+    quarter of its matmuls); ``last``: that Linear's name where an earlier block of the same kind showed
+    it (``learned`` is what this block's first batch showed), so it computes zeros from the first batch.
     """
 
-    def __init__(self, linears, device, paired: bool = False):
+    def __init__(self, linears, device, paired: bool = False, skip_last: bool = False, last: str | None = None):
         self.on = True
         self.device = device
         self.paired = paired
@@ -51,7 +58,14 @@ class Counting:
         self.fp_in: dict[str, torch.Tensor] = {}
         self.leaders = InputLeaders()
         self.gptq: dict[str, GPTQ] = {}
+        self.modules = {l.name: l.module for l in linears}
+        self.calls: list[str] | None = [] if skip_last and not paired else None  # the first batch's, in order
+        self.skipped: torch.nn.Module | None = None
+        self.learned: str | None = None
         self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
+        if self.calls is not None and last is not None:
+            self.calls = None
+            self._skip(last)
 
     def _hook(self, name):
         def hook(module, args, output):
@@ -60,6 +74,8 @@ class Counting:
                 if self.paired:
                     self.fp_in[name] = x
                 return
+            if self.calls is not None and self.on:
+                self.calls.append(name)
             lead = self.leaders.of(name, x)
             if lead == name and name not in self.gptq:
                 self.gptq[name] = GPTQ(module.in_features, device=self.device)
@@ -74,13 +90,32 @@ class Counting:
         """Drop the full-precision pass's inputs (a batch's are held until its quantized pass is done)."""
         self.fp_in.clear()
 
+    def first_pass_done(self) -> None:
+        """The first batch is through: the last Linear it called (once) computes zeros from now on."""
+        calls, self.calls = self.calls, None
+        if calls and calls.count(calls[-1]) == 1:
+            self.learned = calls[-1]
+            self._skip(calls[-1])
+
+    def _skip(self, name: str) -> None:
+        m = self.skipped = self.modules[name]
+        m.forward = functools.partial(_zeros, m.out_features)  # (an instance attribute: remove() drops it)
+
     def get(self, name: str) -> GPTQ | None:
         return self.gptq.get(self.leaders.lead.get(name, ""))
 
     def remove(self):
         for h in self.handles:
             h.remove()
+        if self.skipped is not None:
+            del self.skipped.forward
+            self.skipped = None
         self.leaders.release()
+
+
+def _zeros(out_features: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A Linear's output shape, computed by nothing (``Counting.first_pass_done``)."""
+    return x.new_zeros(*x.shape[:-1], out_features)
 
 
 @register
@@ -93,6 +128,10 @@ class GPTQAlgorithm(Algorithm):
     memory_knob = ("GPTQ's float64 Hessians and its sweep grow with the square of each Linear's input width: a "
                    "dense block's are whole on every rank, an MoE's expert Hessians split by --ep over more ranks; "
                    "--algo rtn holds none")
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._last_linear: dict[tuple, str] = {}  # a kind of block -> the Linear its forward calls last (observe)
 
     def refusals(self, model, assigner, world: int, ep: int) -> list[str]:
         """GPTQ's column sweep quantizes each row against scales of that row: per-channel and per-group
@@ -111,14 +150,23 @@ class GPTQAlgorithm(Algorithm):
 
     def observe(self, work: BlockWork) -> None:
         """Dense Linears: Hessians summed over every rank's tokens; experts: at their owner."""
-        counting = Counting(work.linears, work.device, paired=self.pairs_chains)
+        # a block without experts: its calibration forward's outputs are never read (the next block's
+        # inputs come from the quantized block), so its last Linear may skip its product; the blocks of
+        # one kind (class and Linears) call theirs alike, so the first one of a kind shows it
+        kind = (type(work.block), tuple(l.name[len(work.prefix):] for l in work.linears))
+        last = self._last_linear.get(kind)
+        counting = Counting(work.linears, work.device, paired=self.pairs_chains, skip_last=not work.experts,
+                            last=None if last is None else work.prefix + last)
         calibs = [ExpertCalibration(ex, work.calibrate_all_experts, work.device, paired=self.pairs_chains)
                   for _, ex, _ in work.experts]
         if self.pairs_chains:
             work.fp_out = paired_forward(work.block, work.fp_inputs, work.inputs, work.steps, work.dummy,
                                          counters=[counting, *calibs], autocast=work.autocast)
         else:
-            block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[counting, *calibs])
+            block_forward(work.block, work.inputs, work.steps, work.dummy, counters=[counting, *calibs],
+                          outputs=False)
+        if counting.learned is not None:
+            self._last_linear[kind] = counting.learned[len(work.prefix):]
         counting.remove()
         for c in calibs:
             c.remove()
@@ -175,6 +223,9 @@ class GPTQAlgorithm(Algorithm):
         cal = facts.fwd.calibrating if facts.fwd is not None else Cost()
         if self.pairs_chains and facts.fwd is not None:  # both chains, and the cross terms
             cal = cal * 2 + Cost(hessian=sum(t * n * n for n, _ in b.accumulators))
+        elif facts.fwd is not None and b.linears and not b.experts_modules:
+            n_in, n_out = b.linears[-1]  # the block's last Linear computes nothing here (Counting's skip_last)
+            cal = cal + Cost(gemm=-2 * t * n_in * n_out)
         for n, _ in b.accumulators:
             cal = cal + Cost(hessian=t * n * n, link=16 * n * n, collectives=2) if world > 1 else cal + Cost(hessian=t * n * n)
         solve = rtn_cost(facts, passes=2)  # the rows handed to the solve, the results written back
