@@ -360,14 +360,16 @@ def test_cholesky_lower_inverse_by_halves(n):
 
 @pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "NVFP4A16", "MXFP4"])
 @pytest.mark.parametrize("actorder", [False, True])
-def test_weights_solved_together_are_each_solved_alone(name, actorder):
+@pytest.mark.parametrize("heights", [(40, 96, 17, 64), (64, 64, 64, 64)], ids=["heights", "one-height"])
+def test_weights_solved_together_are_each_solved_alone(name, actorder, heights):
     """quantize_together: the weights of one width and scheme, each under its own Hessian (q/k/v, o and
     gate/up of a block; experts' down projections), swept as one stack of rows with each weight's own
-    error pushes: each result is its own solve's, bit for bit (codes, scales, dequantized rows, loss),
-    through a dead input column, a weight stacking two under one Hessian, and a sweep split by max_elems."""
+    error pushes (for weights of one height, batched products): each result is its own solve's, bit for
+    bit (codes, scales, dequantized rows, loss), through a dead input column, a weight stacking two under
+    one Hessian, and a sweep split by max_elems."""
     s = get_scheme(name, 32)
     probs = []
-    for seed, rows in [(1, 40), (2, 96), (3, 17), (4, 64)]:
+    for seed, rows in zip((1, 2, 3, 4), heights):
         x, w = _data(seed)
         if seed == 3:
             x[:, 5] = 0  # a dead input column in one weight only

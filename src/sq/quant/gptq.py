@@ -550,7 +550,8 @@ def quantize_together(problems: Sequence[Problem], *, blocksize: int = 128, perc
     The sweep's per-column work is Python-bound on CPU and kernel-launch-bound on GPU (a column of a
     few hundred rows costs microseconds of maths and a dozen dispatches): with the problems' rows side
     by side the column's quantization is one set of ops over all of them, and only each problem's
-    error push stays its own (one rank-1 product per problem, on its columns of the shared buffer).
+    error push stays its own (one rank-1 product per problem, on its columns of the shared buffer; for
+    problems of one height, as experts', one batched product over all of them).
     Every element sees the same operations in the same order as in its own sweep (the products on a
     problem's slice are its own products; tests/test_quant_gptq.py checks the bits)."""
     cfg = GPTQConfig(blocksize, percdamp, actorder, static_groups, max_retries, damp_growth)
@@ -603,6 +604,7 @@ class _Sweep:
         self.scheme, self.wdtype, self.fixed = scheme, first.problem.w.dtype, _fixed_scales(scheme, cfg)
         rows = [s.W.shape[0] for s in solves]
         self.spans = [slice(a, a + r) for a, r in zip(itertools.accumulate([0] + rows), rows)]
+        self.height = rows[0] if len(rows) > 1 and len(set(rows)) == 1 else 0  # one height: batched products
         cols, R, dev = first.W.shape[1], sum(rows), first.W.device
         self.cols = cols
         self.Wt = torch.empty(cols, R, dtype=torch.float32, device=dev)
@@ -637,6 +639,17 @@ class _Sweep:
         self.int_codes = first.spec.qtype.kind == "int" and self.Qt.dtype == torch.int8
         self.qmin, self.qmax = first.spec.qtype.qmin, first.spec.qtype.qmax
 
+    def parts(self, W: Tensor, E: Tensor, H: list[Tensor]) -> list[tuple]:
+        """Each solve's columns of ``W [k, R]`` and ``E [m, R]`` with its block ``H [m, k]`` of Hinv's scaled
+        rows, transposed, and the product ``W -= H^T E`` on such operands; for solves of one height ``r``,
+        one set: ``[B, k, r]`` / ``[B, m, r]`` / ``[B, k, m]`` views, every product one batched over the
+        solves (each batch entry is its solve's own product: the same bits)."""
+        if self.height:
+            B, r = len(self.spans), self.height
+            return [(W.view(W.shape[0], B, r).transpose(0, 1), E.view(E.shape[0], B, r).transpose(0, 1),
+                     torch.stack(H).transpose(1, 2), _bpush)]
+        return [(W[:, sl], E[:, sl], h.T, _push) for sl, h in zip(self.spans, H)]
+
     def new_scales(self, W1: Tensor, i: int, g: int) -> None:
         """Each solve's scales of group ``g`` from its current (error-updated) weights, the group's
         columns ``W1[i : i + group_size]``: compressed-tensors' scales of those weights."""
@@ -664,6 +677,14 @@ class _Sweep:
                 self.z_buf[:count].unbind(0) if self.z_buf is not None else [None] * count)
 
 
+def _push(W: Tensor, HT: Tensor, E: Tensor) -> None:
+    W.addmm_(HT, E, alpha=-1)
+
+
+def _bpush(W: Tensor, HT: Tensor, E: Tensor) -> None:
+    W.baddbmm_(HT, E, alpha=-1)
+
+
 def _sweep(solves: list[_Solve]) -> list[tuple[Tensor, Tensor]]:
     """The column sweep of ``solves`` (one width, scheme and dtype): each solve's codes ``Q [rows, in]``
     in its column order and its loss per row."""
@@ -678,12 +699,11 @@ def _sweep(solves: list[_Solve]) -> list[tuple[Tensor, Tensor]]:
     for i1 in range(0, cols, bs):
         i2 = min(i1 + bs, cols)
         Err1 = _sweep_block(sw, Wt[i1:i2], Qt[i1:i2], [h[i1:i2, i1:i2] for h in Hs], i1, qf)
-        for s, sl, h, loss in zip(solves, sw.spans, Hs, losses):
-            E = Err1[:, sl]
-            loss += (E / s.prep.hdiag[i1:i2, None]).square_().sum(dim=0) / 2
-            # lazy batch update of every column after the block
-            if i2 < cols:
-                Wt[i2:, sl].addmm_(h[i1:i2, i2:].T, E, alpha=-1)
+        for s, sl, loss in zip(solves, sw.spans, losses):
+            loss += (Err1[:, sl] / s.prep.hdiag[i1:i2, None]).square_().sum(dim=0) / 2
+        if i2 < cols:  # lazy batch update of every column after the block, each solve's own
+            for Wb, Eb, HbT, push in sw.parts(Wt[i2:], Err1, [h[i1:i2, i2:] for h in Hs]):
+                push(Wb, HbT, Eb)
     del sw.Wt, Wt
     out = []
     for s, sl, loss in zip(solves, sw.spans, losses):
@@ -709,16 +729,15 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: list[Tensor], i1: int,
     # per solve: each column's error goes onto the later columns of its sub-block at once (one rank-1
     # product per column over sub rows, not over the block's), onto the rest of the block by one
     # product per sub-block: the block's lazy update, one level down
-    pushes, ends = [], []
-    last = [i + 1 == min(i - i % sub + sub, count) for i in range(count)]  # a sub-block's last column
-    for sl, H1 in zip(sw.spans, Hs1):
-        Wb, Eb = W1[:, sl], Err1[:, sl]
-        # per column but a sub-block's last: the sub-block's later columns and their entries of the
-        # column's row of H1 ([k, 1])
-        later = [None if last[i] else (Wb[i + 1 : min(i - i % sub + sub, count)],
-                                       H1[i, i + 1 : min(i - i % sub + sub, count)].unsqueeze(1)) for i in range(count)]
-        pushes.append((later, Eb.unsqueeze(1).unbind(0)))  # error rows as [1, rows] views
-        ends.append((Wb, Eb, H1))
+    pushes = []
+    ends = [min(i - i % sub + sub, count) for i in range(count)]  # where each column's sub-block ends
+    parts = sw.parts(W1, Err1, Hs1)  # each solve's views (or one set, batched, for solves of one height)
+    for Wb, Eb, HbT, _ in parts:
+        # per column but a sub-block's last: the sub-block's later columns, their entries of the column's
+        # row of H1 ([k, 1]), and the column's error row ([1, rows]), each product's operands as views
+        pushes.append([None if ends[i] == i + 1 else
+                       (Wb[..., i + 1 : ends[i], :].addmm_ if Wb.ndim == 2 else Wb[..., i + 1 : ends[i], :].baddbmm_,
+                        HbT[..., i + 1 : ends[i], i : i + 1], Eb[..., i : i + 1, :]) for i in range(count)])
     s_cols, z_cols = sw.block_scales(i1, count)  # (views: mid-sweep scales land in them)
     recompute, gsize, int_codes, cast = not sw.fixed, sw.scheme.group_size, sw.int_codes, wdtype != torch.float32
     scheme, qmin, qmax = sw.scheme, sw.qmin, sw.qmax
@@ -753,14 +772,14 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: list[Tensor], i1: int,
         sub_(w_col, dq, out=e_row)
         # push the error onto this sub-block's later columns (rank-1: addmm_ with an inner dim
         # of 1 is BLAS, addr_ is far slower on CPU; the views were made before the loop)
-        if not last[i]:
-            for later, e_mats in pushes:
-                w_later, h_col = later[i]
-                w_later.addmm_(h_col, e_mats[i], alpha=-1)
+        if ends[i] != i + 1:
+            for later in pushes:
+                product, h_col, e_row = later[i]
+                product(h_col, e_row, alpha=-1)
         elif i + 1 < count:  # the sub-block done: its errors onto the block's later columns
             a = i + 1 - sub
-            for Wb, Eb, H1 in ends:
-                Wb[i + 1 :].addmm_(H1[a : i + 1, i + 1 :].T, Eb[a : i + 1], alpha=-1)
+            for Wb, Eb, HbT, push in parts:
+                push(Wb[..., i + 1 :, :], HbT[..., i + 1 :, a : i + 1], Eb[..., a : i + 1, :])
     if sw.int_codes:
         Q1.copy_(qf[:count])  # integral values: the int8 cast is exact
     return Err1

@@ -237,8 +237,8 @@ class GPTQAlgorithm(Algorithm):
             stacks = [st for st, o in zip(stacks, owners) if o == facts.rank]
         for n, rows in stacks:  # (and the reported error through H: 2 rows n^2)
             solve = solve + Cost(factor=n**3, solves=1, cells=n * rows, gemm32=2 * rows * n * n)
-        for n, k, _ in _sweeps(stacks):  # a sweep's column steps, and each further solve's error push in them
-            solve = solve + Cost(columns=n, ops=n * (k - 1))
+        for n, k, _ in _sweeps(stacks):  # a sweep's column steps, and each further stack's error push in them
+            solve = solve + Cost(columns=n, ops=n * (k - 1))  # (stacks of a block differ in height: not batched)
         for n_e, h, i in b.experts_modules:
             # --ep E: E/ep experts a rank, their rows split over dp = world/ep; --ep 1: FSDP2 splits the experts
             # themselves over the world, rows whole.  Its experts see the tokens of the ranks holding the others
@@ -254,12 +254,13 @@ class GPTQAlgorithm(Algorithm):
                                      gemm32=2 * own * up_rows * h * h)
             else:
                 cal = cal + Cost(gemm64=2 * routed * own * (h * h + i * i))
-                ups = math.ceil(own / max(1, EXPERT_STACK_ELEMS // (up_rows * h)))  # each its own Hessian, swept together
+                # each its own Hessian, swept together (one height: one batched error push a column)
+                ups = math.ceil(own / max(1, EXPERT_STACK_ELEMS // (up_rows * h)))
                 solve = solve + Cost(factor=own * h**3, solves=own, columns=ups * h, cells=own * h * up_rows,
-                                     gemm32=2 * own * up_rows * h * h, ops=(own - ups) * h)
+                                     gemm32=2 * own * up_rows * h * h)
             sweeps = math.ceil(own / max(1, EXPERT_STACK_ELEMS // (down_rows * i)))  # several experts a sweep
             solve = solve + Cost(factor=own * i**3, solves=own, columns=sweeps * i, cells=own * i * down_rows,
-                                 gemm32=2 * own * down_rows * i * i, ops=2 * own * EXPERT_SOLVE_OPS + (own - sweeps) * i)
+                                 gemm32=2 * own * down_rows * i * i, ops=2 * own * EXPERT_SOLVE_OPS)
         return {"calibrate": cal, "solve": solve}
 
     def _rows(self, g: GPTQ | None, w: torch.Tensor, scheme, name: str, stats=None, row_offset: int = 0) -> Solved:
