@@ -662,7 +662,6 @@ class _Sweep:
                 s.zp[:, g : g + 1] = z
                 self.zp_t[g, sl] = z[:, 0]
 
-
     def block_scales(self, i1: int, count: int) -> tuple[list[Tensor], list[Tensor | None]]:
         """The scale and zero-point rows ``[R]`` of the columns ``i1 .. i1 + count`` (sweep order)."""
         if self.order is not None:
@@ -774,8 +773,8 @@ def _sweep_block(sw: _Sweep, W1: Tensor, Q1: Tensor, Hs1: list[Tensor], i1: int,
         # of 1 is BLAS, addr_ is far slower on CPU; the views were made before the loop)
         if ends[i] != i + 1:
             for later in pushes:
-                product, h_col, e_row = later[i]
-                product(h_col, e_row, alpha=-1)
+                product, h_col, e_mat = later[i]
+                product(h_col, e_mat, alpha=-1)
         elif i + 1 < count:  # the sub-block done: its errors onto the block's later columns
             a = i + 1 - sub
             for Wb, Eb, HbT, push in parts:
