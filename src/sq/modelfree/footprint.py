@@ -35,7 +35,8 @@ import torch
 
 from sq.memory import HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
 from sq.modelfree.plan import READ_AHEAD, Plan, Unit, my_rows
-from sq.pipeline.disk import header_bytes, side_bytes, stored_bytes
+from sq.pipeline.disk import disk_problems, header_bytes, side_bytes, stored_bytes
+from sq.pipeline.footprint import CARRIED_COPIES, memory_problems  # (rank 0 writes carried tensors as the model path does)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ KNOBS = {
     "heap": "MALLOC_MMAP_THRESHOLD_=65536 in the job's environment (freed buffers go back to the system at once)",
 }
 RTN_COPIES = 3  # float32 copies RTN makes of the tensor it quantizes (the weight, scaled, rounded)
-CARRIED_COPIES = 2  # the carried tensor being written: as read, dequantized (FP8), its float32 chunk
 SEND_COPIES = 4  # a rank's rows of a split unit's codes: the codes, serialized, pickled, as a byte tensor to send
 RECEIVE_COPIES = 4  # the whole codes on the unit's owner: the receive buffer, the unpickled bytes, loaded, joined
 
@@ -177,9 +177,6 @@ def preflight(plan: Plan, reader, owner: list[int], split: list[int], world: int
               available: int | None = None, where: str | None = None) -> tuple[list[str], dict, dict]:
     """The memory and disk checks (``sq.ptq --model-free`` on every rank, ``sq.plan --model-free``): the refusals,
     ``rank``'s predicted memory with the node's numbers, and the disk's."""
-    from sq.pipeline.disk import disk_problems
-    from sq.pipeline.footprint import memory_problems
-
     every = predicted_memory(plan, reader, owner, split, world, base=base,
                              read_ahead=READ_AHEAD if read_ahead is None else read_ahead)
     worst = max(every.values(), key=lambda m: m["predicted_peak_rank0_bytes"])

@@ -326,11 +326,8 @@ def _run(cfg, plan: Plan, reader: Reader, source, assigner, t_start: float) -> d
     owner, split = split_by_bytes(plan.units, world, int(split_at) if split_at else None)
     problems, predicted = [], {}
     if cfg.preflight:  # memory and disk against this node (a refusal), then the time (a prediction)
-        problems, predicted["memory"], predicted["disk"] = preflight(plan, reader, owner, split, world, base=rss_bytes(),
-                                                                     out=Path(cfg.output), rank=dist.get_rank())
-        root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
-        predicted["time"] = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output),
-                                           time.perf_counter() - t_start, fp8=reader.layout is not None)
+        problems, predicted = _predictions(cfg, plan, reader, source, owner, split, world,
+                                           time.perf_counter() - t_start, rank=dist.get_rank())
         trim_heap()  # the probes' buffers go back before the first layer
     sig = _signature(cfg, plan, source, assigner, world, [plan.units[i].name for i in split])
     run = Run(cfg.output, bookkeeping=cfg.bookkeeping, fault=cfg.fault)
@@ -338,6 +335,19 @@ def _run(cfg, plan: Plan, reader: Reader, source, assigner, t_start: float) -> d
         return {"complete": True}
     with run.log_file():
         return _run_layers(cfg, run, plan, reader, source, owner, split, t_start, predicted)
+
+
+def _predictions(cfg, plan: Plan, reader: Reader, source, owner: list[int], split: list[int], world: int,
+                 seconds: float, rates=None, **where) -> tuple[list[str], dict]:
+    """The job's memory and disk checks (``preflight``: the refusals; ``where``: its rank and node) and its
+    reads and seconds (``predicted_time``; ``seconds``: those before the first layer), as ``sq.ptq`` and
+    ``sq.plan`` both make them: ``(problems, {"memory", "disk", "time"})``."""
+    problems, memory, disk = preflight(plan, reader, owner, split, world, base=rss_bytes(), out=Path(cfg.output),
+                                       **where)
+    root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
+    timing = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output), seconds,
+                            fp8=reader.layout is not None, rates=rates)
+    return problems, {"memory": memory, "disk": disk, "time": timing}
 
 
 def _run_layers(cfg, run: Run, plan: Plan, reader: Reader, source, owner: list[int], split: list[int],
@@ -436,21 +446,17 @@ def plan_model_free(cfg, *, nproc_per_node: int, nnodes: int, available: int | N
     """``python -m sq.plan --model-free``: the job's plan and placement as every rank makes them
     (``quantize_checkpoint``), its memory and disk checks, and its reads and seconds (``rates``: stated; None:
     this machine's)."""
-
     world = nproc_per_node * nnodes
     plan, reader, source, _ = _prepare(cfg)
     try:
         owner, split = split_by_bytes(plan.units, world)
-        problems, memory, disk = preflight(plan, reader, owner, split, world, base=rss_bytes(), out=Path(cfg.output),
-                                           rank=0, local_world=nproc_per_node, started=False, available=available,
-                                           where=where)
-        root = sum(source.tensors[k].nbytes for k in (*plan.root, *plan.carried))
-        timing = predicted_time(plan, owner, split, world, root, source.root, Path(cfg.output), started,
-                                fp8=reader.layout is not None, rates=rates)
+        problems, p = _predictions(cfg, plan, reader, source, owner, split, world, started, rates=rates, rank=0,
+                                   local_world=nproc_per_node, started=False, available=available, where=where)
     finally:
         reader.close()
     out = {"model": str(source.root), "mode": "model-free", "algo": cfg.algo.name,
            "quantized_linears": sum(u.scheme is not None for u in plan.units), "units": len(plan.units),
            "row_split": len(split), "blocks": len(plan.blocks), "world": world, "nproc_per_node": nproc_per_node,
-           **disk, "memory": {**memory, "parts": list(PARTS)}, "time": timing or None, "fits": not problems}
+           **p["disk"], "memory": {**p["memory"], "parts": list(PARTS)}, "time": p["time"] or None,
+           "fits": not problems}
     return out, problems

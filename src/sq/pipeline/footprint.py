@@ -325,10 +325,7 @@ def memory_problems(pred: dict, *, local_world: int | None = None, started: bool
             available, where = torch.cuda.mem_get_info()[0], "the GPU's free memory"
         what = "one GPU"
     else:
-        held = pred["base"] if started else 0
-        need = (local_world - 1) * (peak - held) + (peak0 - held)
-        if available is None:
-            available, where = available_host_bytes()
+        need, available, where = _node_need(peak, peak0, pred["base"], started, local_world, available, where)
         what = f"the {local_world} rank(s) of one node"
     where = where or "the stated memory"
     host_problems, host_facts = _host_side(pred, local_world, started, host_available, host_where) if gpu else ([], {})
@@ -344,15 +341,23 @@ def memory_problems(pred: dict, *, local_world: int | None = None, started: bool
             f"{biggest}: {knob}; or pass --no-preflight to try anyway"] + host_problems, facts
 
 
+def _node_need(peak: int, peak0: int, base: int, started: bool, local_world: int, available: int | None,
+               where: str | None) -> tuple[int, int | None, str | None]:
+    """The host bytes one node's ranks need (rank 0's peak and the others'; ``started``: each base is in use
+    already), and what the node has (``available``, else this machine's, measured now)."""
+    held = base if started else 0
+    if available is None:
+        available, where = available_host_bytes()
+    return (local_world - 1) * (peak - held) + (peak0 - held), available, where
+
+
 def _host_side(pred: dict, local_world: int, started: bool, available: int | None,
                where: str | None) -> tuple[list[str], dict]:
     """A GPU job's host memory: each rank's process and what passes through host memory (the block's files and
     chain cache as they are serialized, a block's shard staged while it is read; rank 0's root and carried
     tensors at the end), the node holding its ranks."""
-    held = pred["base"] if started else 0
-    need = (local_world - 1) * (pred["predicted_host_peak_bytes"] - held) + pred["predicted_host_peak_rank0_bytes"] - held
-    if available is None:
-        available, where = available_host_bytes()
+    need, available, where = _node_need(pred["predicted_host_peak_bytes"], pred["predicted_host_peak_rank0_bytes"],
+                                        pred["base"], started, local_world, available, where)
     where = where or "the stated memory"
     facts = {"host_need_bytes": need, "host_available_bytes": available, "host_where": where}
     if available is None or need <= available:

@@ -267,8 +267,7 @@ class GPTQAlgorithm(Algorithm):
         """``stats``: the weight's all-reduced cross-row statistics (a list: one per stacked weight)."""
         if g is None or not w.shape[0]:
             return rtn_rows(w, scheme, stats, row_offset)
-        r = g.quantize(w, scheme, name=name, stats=stats, **self.config.to_dict())
-        return Solved(r.q, r.scale, r.zero_point, r.weight.to(w.dtype), H=g.H, global_scale=r.global_scale)
+        return _solved(g.quantize(w, scheme, name=name, stats=stats, **self.config.to_dict()), w.dtype, g.H)
 
     def solve(self, work: BlockWork, linear, w: torch.Tensor) -> Solved:
         g = work.state["counting"].get(linear.name)
@@ -317,7 +316,7 @@ class GPTQAlgorithm(Algorithm):
                     for g, lins, ws in stacks]
         out = []
         for (g, lins, ws), r in zip(stacks, quantize_together(problems, **self.config.to_dict())):
-            solved = Solved(r.q, r.scale, r.zero_point, r.weight.to(ws[0].dtype), H=g.H, global_scale=r.global_scale)
+            solved = _solved(r, ws[0].dtype, g.H)
             if len(lins) == 1:
                 out.append([solved])
                 continue
@@ -447,8 +446,7 @@ class GPTQAlgorithm(Algorithm):
             for i in gs:  # (each expert's rows read before any is solved: the caller writes them back into ``local``)
                 r = results.pop(i, None)
                 yield (rtn_rows(local[i].detach().clone(), scheme, self._expert_stats(work, eprefix, ex, pname, first + i))
-                       if r is None else Solved(r.q, r.scale, r.zero_point, r.weight.to(local.dtype),
-                                                global_scale=r.global_scale))
+                       if r is None else _solved(r, local.dtype))
 
     def fallback_experts(self, work: BlockWork) -> list[str]:
         return work.state.get("fallback", [])
@@ -488,6 +486,11 @@ def _same_stats(scheme, a, b) -> bool:
     if not a or not b:
         return not a and not b
     return all(k in a and k in b and torch.equal(a[k], b[k]) for k in need)
+
+
+def _solved(r, dtype: torch.dtype, H: torch.Tensor | None = None) -> Solved:
+    """A ``GPTQResult`` as the pipeline takes it: the dequantized rows in the weight's ``dtype``."""
+    return Solved(r.q, r.scale, r.zero_point, r.weight.to(dtype), H=H, global_scale=r.global_scale)
 
 
 def _sweeps(stacks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
