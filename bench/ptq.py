@@ -57,7 +57,8 @@ GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaqfull_w2", "gptqfull_w2
          "eval_gptaq_w2", "eval_gptaqlater_w2", "eval_gptaq01_w2", "eval_gptaqfull_w2", "eval_gptqfull_w2",
          "eval_gptaq3_w2", "eval_gptq2_w2", "eval_gptaq2_w2")
 # --target-bits (issue 37): {W4A16 g64, W8A16 g64} at 4.5 and 5.0 stored bits per weight, GPTQ
-SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2", "tbfp_w2", "eval_tbfp_w2")
+SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2", "tbfp_w2", "eval_tbfp_w2",
+          "tb45mse_w2", "eval_tb45mse_w2", "tb50mse_w2", "eval_tb50mse_w2")
 # --rotate r1,r2 (issue 36): beside RTN / GPTQ / GPTAQ at 4, 3 and 2 bits, and the W4A4 float formats
 ROTATE = ("rtnrot_w2", "gptqrot_w2", "gptaqrot_w2", "gptq3rot_w2", "gptq2rot_w2", "gptaq2rot_w2",
           "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2",
@@ -80,6 +81,8 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "gptaq2": ("gptaq", ["--scheme", "W2A16"]),
     "tb45": ("gptq", ["--target-bits", "4.5", "--candidates", "W4A16,W8A16"]),
     "tb50": ("gptq", ["--target-bits", "5.0", "--candidates", "W4A16,W8A16"]),
+    "tb45mse": ("gptq", ["--target-bits", "4.5", "--candidates", "W4A16,W8A16", "--search-score", "mse"]),
+    "tb50mse": ("gptq", ["--target-bits", "5.0", "--candidates", "W4A16,W8A16", "--search-score", "mse"]),
     "w8": ("gptq", ["--scheme", "W8A16"]),
     "tbfp": ("gptq", ["--target-bits", "5.5", "--candidates", "NVFP4A16,FP8_DYNAMIC"]),
     "rtnrot": ("rtn", ["--rotate", "r1,r2"]),

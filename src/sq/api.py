@@ -41,8 +41,9 @@ def quantize(model: nn.Module, output: str | Path, *, scheme: str = "W4A16", alg
             command line's flags): ``actorder`` for GPTQ; ``iters``, ``lr``, ``batch_size`` for
             SignRound (docs/signround.md).  Their defaults are the config's; a setting the
             algorithm does not have is refused.  Job settings of the command line go here too:
-            ``int_grid="full"`` (``--int-grid``), ``calib_dtype``, ``kv_cache``, ``target_bits`` and
-            ``candidates`` (``--target-bits``: a recipe searched under a bit budget, docs/recipes.md).
+            ``int_grid="full"`` (``--int-grid``), ``calib_dtype``, ``kv_cache``, ``target_bits``,
+            ``candidates`` and ``search_score`` (``--target-bits``: a recipe searched under a bit budget,
+            docs/recipes.md).
         resume: ``never`` by default -- an in-memory model cannot prove its weights are those of a
             previous attempt; ``auto`` resumes a folder whose run signature matches (same
             architecture, shapes, arguments and calibration data).

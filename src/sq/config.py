@@ -58,6 +58,7 @@ class PTQConfig:
     # mixed precision under a bit budget (sq.pipeline.search): stored bits per weight, and the schemes to choose from
     target_bits: float | None = None
     candidates: tuple[str, ...] = ("W4A16", "W8A16")
+    search_score: str = "auto"  # auto | fisher | mse: how the search scores a unit (sq.pipeline.search.search_score)
     # offline rotations fused into the weights before the algorithm (sq.pipeline.rotation): r1, r2
     rotate: tuple[str, ...] = ()
     rotate_block: int | None = None  # None: one rotation over the whole hidden size (head size for r2)
@@ -99,6 +100,8 @@ class PTQConfig:
             out.append(f"--rotate names a rotation twice: {','.join(self.rotate)}")
         if self.calib_dtype not in CALIB_DTYPES:
             out.append(f"--calib-dtype must be one of {', '.join(CALIB_DTYPES)}, got {self.calib_dtype!r}")
+        if self.search_score not in ("auto", "fisher", "mse"):
+            out.append(f"--search-score must be auto, fisher or mse, got {self.search_score!r}")
         if self.kv_cache not in KV_CACHE_SCHEMES:
             out.append(f"--kv-cache must be one of {', '.join(KV_CACHE_SCHEMES)}, got {self.kv_cache!r}")
         if not 0 < self.timeout_s < float("inf"):  # NaN fails too; the collective timeout is a timedelta
@@ -168,4 +171,6 @@ class PTQConfig:
         if not calibrated:
             for k in CALIBRATION_FIELDS:
                 d.pop(k)
+        if self.target_bits is None:
+            d.pop("search_score")
         return d

@@ -101,6 +101,12 @@ def build_parser() -> ArgParser:
     p.add_argument("--candidates", default=",".join(job["candidates"]), metavar="SCHEMES",
                    help="comma-separated presets --target-bits chooses from (default: %(default)s; int presets "
                         "take --group-size)")
+    p.add_argument("--search-score", default=job["search_score"], choices=("auto", "fisher", "mse"),
+                   help="how --target-bits scores a Linear under a candidate: fisher (the block output's change "
+                        "weighted by the next-token loss's gradient there, carried back from the logits), mse "
+                        "(the block output's squared error), or auto (fisher; mse on models with routed experts); "
+                        "either quantizes the Linear as the job will (GPTQ for gptq and gptaq, else RTN) "
+                        "(default: %(default)s)")
     p.add_argument("--rotate", default="", metavar="R1[,R2]",
                    help="offline rotations fused into the weights before the algorithm (docs/rotations.md): r1 "
                         "rotates the residual stream (norms folded in, tied embeddings untied), r2 each attention "
@@ -152,7 +158,7 @@ def config_from(a: argparse.Namespace):
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
                      skip_nonfinite=a.skip_nonfinite, allow_unmatched=a.allow_unmatched, verify_source=a.verify_source,
                      trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache, calib_dtype=a.calib_dtype,
-                     int_grid=a.int_grid, target_bits=a.target_bits,
+                     int_grid=a.int_grid, target_bits=a.target_bits, search_score=a.search_score,
                      candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
                      rotate=tuple(r.strip().lower() for r in a.rotate.split(",") if r.strip()),
                      rotate_block=a.rotate_block, preflight=a.preflight,

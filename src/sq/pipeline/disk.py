@@ -21,7 +21,7 @@ from torch import nn
 
 from sq.anatomy import EXPERT_PARAMS
 from sq.files import nearest_existing
-from sq.pipeline.search import stored_tensors
+from sq.pipeline.search import search_score, stored_tensors
 
 __all__ = ["predict_output_bytes", "block_output_bytes", "disk_need", "chain_bytes", "disk_problems", "written_bytes", "size", "stored_bytes", "header_bytes", "GiB", "SLACK"]
 
@@ -110,9 +110,14 @@ def disk_need(cfg, model: nn.Module, targets, weight_dtype: torch.dtype | None, 
     """The job's predicted disk: the checkpoint with its side files, and the resume state's peak."""
     output = predict_output_bytes(model, targets, weight_dtype, target_bits=cfg.target_bits)
     state = 0
-    if calibrated and cfg.bookkeeping and targets.blocks:
+    if calibrated and targets.blocks:
         hidden = int(model.get_input_embeddings().weight.shape[-1])
-        state = chain_bytes(cfg.nsamples * cfg.seqlen, hidden, chain_dtype, fp_chain)
+        tokens, width = cfg.nsamples * cfg.seqlen, torch.empty((), dtype=chain_dtype).element_size()
+        if cfg.bookkeeping:
+            state = chain_bytes(tokens, hidden, chain_dtype, fp_chain)
+        if cfg.target_bits is not None and search_score(cfg, targets) == "fisher":
+            # the search's every block's inputs, all gone before the first chain file is written
+            state = max(state, len(targets.blocks) * tokens * hidden * width)
     return {"predicted_output_bytes": output + side_bytes(src), "predicted_state_bytes": state}
 
 

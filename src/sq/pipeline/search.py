@@ -4,15 +4,28 @@ write a recipe, then quantize with it.
 Inside the job, after the output folder is claimed and before the first block is quantized
 (``sq.pipeline.blocks``):
 
-1. **Score.**  Block by block, on the full-precision chain (this rank's calibration windows), every
-   *unit* is quantized with each candidate by round-to-nearest, alone, and the block run again:
-   its score is the mean squared error of the block's output against the full-precision output in
-   the residual stream, over every rank's tokens.  (Each token's state over its RMS first, as the
-   next norm reads it, was tried: on SmolLM2 at 4.5 bits 12.95 against 12.39, the absolute error's
-   late blocks being where an error reaches the logits least damped.)  A unit is the Linears that read one input tensor (q/k/v,
-   gate/up: an engine fuses them, so they must share a scheme), found by the forward itself, or
-   one Linear.  Each rank quantizes its own rows (the scores are all-reduced), so the memory is
-   the pipeline's: one block.
+1. **Score.**  Every *unit* is quantized with each candidate, alone, as the job will quantize it
+   (``score_solver``: GPTQ against the unit's Hessian on these inputs for a GPTQ-family job, else
+   round-to-nearest), and its block run again on the full-precision chain (this rank's calibration
+   windows); the score is how far the block's output moved, over every rank's tokens
+   (``--search-score``, ``search_score``):
+
+   - ``fisher`` (``_fisher_pass``; ``auto`` without routed experts): each output element's change
+     times the next-token loss's gradient there, squared and summed -- the diagonal Fisher's
+     estimate of the loss's rise.  The chain is run forward once, each block's inputs kept on disk
+     (this rank's own); the loss's gradient is taken at the last block's outputs through the model's
+     own head (``sq.quant.forward.head_grads``); then the blocks from the last to the first are
+     scored, the gradient carried back through each (``block_grads``).
+   - ``mse`` (``_mse_pass``; ``auto`` with routed experts, whose expert-parallel forward has no
+     backward): the block output's mean squared error, blocks in order.
+
+   On SmolLM2 at 4.5 bits (docs/benchmarks.md) GPTQ-scored Fisher chose best (12.13); ``mse`` scored
+   12.39 with either quantizer, Fisher on RTN errors 12.85-12.92 (it upgrades early blocks whose RTN
+   error GPTQ removes anyway); each token's state over its RMS under ``mse``, 12.95.
+
+   A unit is the Linears that read one input tensor (q/k/v, gate/up: an engine fuses them, so they
+   must share a scheme), found by the forward itself, or one Linear.  Each rank quantizes its own
+   rows (the scores are all-reduced), so the weights in memory stay one block's.
 2. **Allocate** (``allocate``): every unit starts at its cheapest candidate; the upgrade with the
    most score removed per stored bit that still fits is taken until none fits.  Bits are counted as
    the format stores them (``effective_bits``: codes, scales, zero points, global scales).
@@ -20,7 +33,8 @@ Inside the job, after the output folder is claimed and before the first block is
    rerun with ``--recipe``), and the job quantizes with it.
 
 Resumable: each block's scores are kept in ``.sq-run/search/`` (rank 0 writes, every rank reads the
-same); a rerun scores only the blocks left (the chain through the scored ones is a forward), and once
+same); a rerun scores only the blocks left (the chain through the scored ones is still run: a forward
+each under ``mse``; the forward chain, then a forward and backward each under ``fisher``), and once
 the recipe is written it is read back as it is.  A routed-experts module is one unit (a recipe names
 experts by their module), scored under candidates whose scales follow rows alone.
 """
@@ -32,6 +46,7 @@ import json
 import logging
 import math
 import re
+import shutil
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -49,7 +64,9 @@ from sq.formats.specs import activation_observers, required_reductions
 from sq.load.fill import local_box
 from sq.pipeline.targets import model_problems, plan_targets
 from sq.quant import rtn
-from sq.quant.forward import CALIB_BATCH, InputLeaders, block_forward, capture_block0
+from sq.quant.algorithms.gptq import Counting
+from sq.quant.gptq import GPTQConfig
+from sq.quant.forward import CALIB_BATCH, InputLeaders, block_forward, block_grads, capture_block0, head_grads
 from sq.quant.work import Linear
 from sq.run import raise_all
 
@@ -172,6 +189,9 @@ def search_problems(cfg, model, algo, targets, world: int, dtype: torch.dtype) -
                    "(use gptq, gptaq, awq or signround)")
     if cfg.recipe is not None:
         out.append("--target-bits writes the recipe itself; it cannot be given beside --recipe")
+    if cfg.search_score == "fisher" and any(targets.experts):
+        out.append("--search-score fisher carries the loss's gradient back through every block; a routed-experts "
+                   "block's forward is not differentiable across ranks yet: use --search-score mse (auto's choice here)")
     if any(targets.experts):
         reducing = [c for c in cfg.candidates if c in PRESET_NAMES and required_reductions(get_scheme(c, group_size=cfg.group_size))]
         if reducing:
@@ -222,28 +242,40 @@ def _allowed_experts(scheme: QuantScheme, shapes) -> bool:
     return all(_allowed(scheme, i) for _, i in shapes) and not required_reductions(scheme)
 
 
-def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocast) -> tuple[list[Unit], list]:
+def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocast,
+                 grads=None, gptq: dict | None = None) -> tuple[list[Unit], list]:
     """Every unit of the block x every candidate: the block's output error with that unit alone
-    quantized by RTN (collective: every rank runs the same forwards on its own samples).  Units: the
-    dense Linears grouped by the input they read, then each routed-experts module whole (a recipe
-    names experts by their module: all its experts take one scheme)."""
-    leaders = InputLeaders()
+    quantized (collective: every rank runs the same forwards on its own samples) -- by GPTQ under the
+    ``gptq`` settings against the unit's Hessian on these inputs (summed over the ranks), else by
+    RTN; ``grads``: the loss's gradient at the block's outputs, weighing the error (``fisher``).
+    Units: the dense Linears grouped by the input they read, then each routed-experts module whole (a
+    recipe names experts by their module: all its experts take one scheme)."""
+    counting = Counting(linears, dummy[0].device) if gptq is not None else None  # Hessians, and the leaders
+    leaders = counting.leaders if counting is not None else InputLeaders()
 
     def see(name):
         def hook(module, args, output):  # returns None: the output stands
             leaders.of(name, args[0])
         return hook
 
-    hooks = [lin.module.register_forward_hook(see(lin.name)) for lin in linears]
+    hooks = [] if counting is not None else [lin.module.register_forward_hook(see(lin.name)) for lin in linears]
     try:
-        ref = block_forward(block, inputs, steps, dummy, autocast=autocast)
+        ref = block_forward(block, inputs, steps, dummy, counters=[counting] if counting is not None else (),
+                            autocast=autocast)
     finally:
         for h in hooks:
             h.remove()
-        leaders.release()
+        counting.remove() if counting is not None else leaders.release()
+    if counting is not None:
+        for g in counting.gptq.values():  # every rank's tokens, in a fixed order
+            n = torch.tensor([g.nsamples], dtype=torch.int64)
+            dist.all_reduce(g.H)
+            dist.all_reduce(n)
+            g.nsamples = int(n.item())
+    lead = leaders.lead
     dense: dict[str, list[Linear]] = {}
     for lin in linears:
-        dense.setdefault(leaders.lead.get(lin.name, lin.name), []).append(lin)
+        dense.setdefault(lead.get(lin.name, lin.name), []).append(lin)
     numel = torch.tensor([float(sum(y.numel() for y in ref))], dtype=torch.float64)
     dist.all_reduce(numel)
 
@@ -257,8 +289,9 @@ def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocas
             for local, orig in saved:
                 local.data.copy_(orig)
         err = torch.zeros(1, dtype=torch.float64)
-        for a, b in zip(got, ref):
-            err += (a.double() - b.double()).square().sum()
+        for i, (a, b) in enumerate(zip(got, ref)):
+            d = a.double() - b.double()
+            err += (d if grads is None else d * grads[i]).square().sum()
         dist.all_reduce(err)
         return float(err / numel)
 
@@ -271,8 +304,13 @@ def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocas
             for lin in lins:
                 local, _ = local_box(lin.module.weight)
                 saved.append((local, local.detach().clone()))
-                local.data.copy_(rtn.rtn_rows(local.detach(), scheme, work.linear_stats.get(lin.name),
-                                              work.row_offset.get(lin.name, 0)).deq)
+                stats = work.linear_stats.get(lin.name)
+                if gptq is not None:  # this rank's rows: GPTQ's rows are solved independently of each other
+                    got = counting.gptq[lead[lin.name]].quantize(local.detach(), scheme, name=lin.name, stats=stats,
+                                                                 **gptq).weight
+                else:
+                    got = rtn.rtn_rows(local.detach(), scheme, stats, work.row_offset.get(lin.name, 0)).deq
+                local.data.copy_(got)
             return saved
         return quantize
 
@@ -343,37 +381,11 @@ def run_search(p) -> Path:
     scored: dict[int, list[dict]] = have[0]
     if scored:
         logger.info("--target-bits: scores of %d block(s) kept from an earlier run", len(scored))
-    inputs = capture_block0(p.model, p.windows()[rank::p.world], p.device, dtype=p.compute_dtype)
-    steps = math.ceil(math.ceil(cfg.nsamples / p.world) / CALIB_BATCH)
-    dummy = inputs[0]
-    units: list[Unit] = []
-    for b, (prefix, block) in enumerate(p.targets.blocks):
-        if len(scored) == n_blocks:  # every block scored in an earlier run: no forward is needed
-            units += [Unit(**u) for u in scored[b]]
-            continue
-        names = p.weights.block_names(b)
-        p.weights.fill(names)
-        try:
-            if b in scored:
-                block_units = [Unit(**u) for u in scored[b]]
-                outs = block_forward(block, inputs, steps, dummy, autocast=p.autocast)
-            else:
-                block_units, outs = _score_block(block, p.targets.linears[b], p.targets.experts[b], schemes, inputs,
-                                                 steps, dummy, p.autocast)
-                if rank == 0 and keep:
-                    state.mkdir(parents=True, exist_ok=True)
-                    write_bytes_atomic(state / f"block-{b:05d}.json",
-                                       json.dumps([u.__dict__ for u in block_units]).encode())
-                p.run.fault_point("search", b)
-                logger.info("--target-bits: block %d/%d scored (%s)", b + 1, n_blocks,
-                            ", ".join(f"{u.key().rsplit('.', 1)[-1]}: " + "/".join(f"{s:.3g}" for s in u.scores.values())
-                                      for u in block_units))
-        finally:
-            p.weights.free(names)
-        p.trim()  # the C heap's free pages back to the OS, as after a quantized block
-        units += block_units
-        inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
-        dummy = inputs[0]
+    score = search_score(cfg, p.targets)
+    if len(scored) == n_blocks:  # every block scored in an earlier run: no forward is needed
+        units = [Unit(**u) for b in range(n_blocks) for u in scored[b]]
+    else:
+        units = (_fisher_pass if score == "fisher" else _mse_pass)(p, schemes, scored, state if keep else None)
     dtype = cost_dtype(p.weight_dtype)
 
     def cost(u: Unit, c: str) -> int:
@@ -383,7 +395,8 @@ def run_search(p) -> Path:
     text = recipe_text(units, cfg, reached)
     counts = {c: sum(u.params for u in units if u.choice == c) for c in schemes}
     total = sum(counts.values())
-    report = {"target_bits": cfg.target_bits, "bits_reached": round(reached, 6), "candidates": list(cfg.candidates),
+    report = {"target_bits": cfg.target_bits, "score": score,
+              "score_quantizer": "gptq" if score_solver(cfg.algo) is not None else "rtn", "bits_reached": round(reached, 6), "candidates": list(cfg.candidates),
               "recipe": RECIPE_FILE, "share_of_weights": {c: round(n / total, 6) for c, n in counts.items()},
               "bits_per_weight": {c: round(sum(cost(u, c) for u in units) / total, 6) for c in schemes},
               "units": {u.key(): {"choice": u.choice, "scores": u.scores} for u in units}}
@@ -397,6 +410,129 @@ def run_search(p) -> Path:
                 ", ".join(f"{c} {100 * n / total:.1f}% of weights" for c, n in counts.items()), recipe_path)
     p.search_report = report
     return recipe_path
+
+
+def search_score(cfg, targets) -> str:
+    """``--search-score auto``: ``fisher`` where every block is differentiable, ``mse`` with routed
+    experts (their expert-parallel forward has no backward)."""
+    if cfg.search_score != "auto":
+        return cfg.search_score
+    return "mse" if any(targets.experts) else "fisher"
+
+
+def score_solver(algo) -> dict | None:
+    """How a unit is quantized for its score: GPTQ's settings for a GPTQ-family job (the error the job
+    will leave; plain GPTQ for GPTAQ), None (round-to-nearest) for the others."""
+    if not isinstance(algo, GPTQConfig):
+        return None
+    return {f.name: getattr(algo, f.name) for f in dataclasses.fields(GPTQConfig)}
+
+
+def _start(p):
+    """Block 0's inputs for this rank's windows, the steps every rank runs and the dummy batch."""
+    inputs = capture_block0(p.model, p.windows()[p.rank::p.world], p.device, dtype=p.compute_dtype)
+    steps = math.ceil(math.ceil(p.cfg.nsamples / p.world) / CALIB_BATCH)
+    return inputs, steps, inputs[0]
+
+
+def _scored_block(p, b, schemes, inputs, steps, dummy, state, grads=None) -> tuple[list[Unit], list]:
+    """Block ``b``'s units scored (its weights filled by the caller), their scores kept in ``state``."""
+    block = p.targets.blocks[b][1]
+    units, outs = _score_block(block, p.targets.linears[b], p.targets.experts[b], schemes, inputs, steps, dummy,
+                               p.autocast, grads, score_solver(p.cfg.algo))
+    if p.rank == 0 and state is not None:
+        state.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(state / f"block-{b:05d}.json", json.dumps([u.__dict__ for u in units]).encode())
+    p.run.fault_point("search", b)
+    logger.info("--target-bits: block %d/%d scored (%s)", b + 1, len(p.targets.blocks),
+                ", ".join(f"{u.key().rsplit('.', 1)[-1]}: " + "/".join(f"{s:.3g}" for s in u.scores.values())
+                          for u in units))
+    return units, outs
+
+
+def _mse_pass(p, schemes, scored: dict, state) -> list[Unit]:
+    """Blocks in order on the full-precision chain; each unit's score is the block output's mean
+    squared error with it quantized."""
+    inputs, steps, dummy = _start(p)
+    units: list[Unit] = []
+    for b, (prefix, block) in enumerate(p.targets.blocks):
+        names = p.weights.block_names(b)
+        p.weights.fill(names)
+        try:
+            if b in scored:
+                block_units = [Unit(**u) for u in scored[b]]
+                outs = block_forward(block, inputs, steps, dummy, autocast=p.autocast)
+            else:
+                block_units, outs = _scored_block(p, b, schemes, inputs, steps, dummy, state)
+        finally:
+            p.weights.free(names)
+        p.trim()  # the C heap's free pages back to the OS, as after a quantized block
+        units += block_units
+        inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
+        dummy = inputs[0]
+    return units
+
+
+def _fisher_pass(p, schemes, scored: dict, state) -> list[Unit]:
+    """The loss's view: the full-precision chain forward (each block's inputs kept on disk, this
+    rank's own), the next-token cross entropy's gradient at the last block's outputs, then the blocks
+    from the last to the first: the gradient carried back through each (``block_grads``) and each
+    unit's score the block output's change with it quantized, weighted by the gradient there:
+    ``sum (g * (y_q - y))^2`` (the diagonal Fisher's estimate of the loss's rise)."""
+    n_blocks = len(p.targets.blocks)
+    inputs, steps, dummy = _start(p)
+    kws = [kw for _, kw in inputs]
+    store = p.run.state.root / SEARCH_DIR / f"inputs-rank{p.rank:05d}"
+    store.mkdir(parents=True, exist_ok=True)
+    for b, (_, block) in enumerate(p.targets.blocks):  # the chain forward, each block's inputs kept
+        _save_inputs(store / f"block-{b:05d}.safetensors", [h for h, _ in inputs])
+        names = p.weights.block_names(b)
+        p.weights.fill(names)
+        try:
+            outs = block_forward(block, inputs, steps, dummy, autocast=p.autocast)
+        finally:
+            p.weights.free(names)
+        p.trim()
+        inputs = [(y, kw) for y, kw in zip(outs, kws)]
+        dummy = inputs[0]
+    total = torch.tensor([sum(h.shape[0] for h, _ in inputs) * (p.cfg.seqlen - 1)], dtype=torch.float64)
+    dist.all_reduce(total)
+    logger.info("--target-bits: the full-precision chain's inputs kept for %d blocks; the loss's gradient at the "
+                "logits next", n_blocks)
+    grads = head_grads(p.model, [h for h, _ in inputs], p.windows()[p.rank::p.world], float(total),
+                       dtype=p.compute_dtype)
+    per_block: dict[int, list[Unit]] = {}
+    for b in reversed(range(n_blocks)):
+        block = p.targets.blocks[b][1]
+        inputs = [(h, kw) for h, kw in zip(_load_inputs(store / f"block-{b:05d}.safetensors", p.device), kws)]
+        dummy = inputs[0]
+        names = p.weights.block_names(b)
+        p.weights.fill(names)
+        try:
+            if b in scored:
+                per_block[b] = [Unit(**u) for u in scored[b]]
+            else:
+                per_block[b], _ = _scored_block(p, b, schemes, inputs, steps, dummy, state, grads)
+            grads = block_grads(block, inputs, grads, steps, dummy, autocast=p.autocast) if b else None
+        finally:
+            p.weights.free(names)
+        (store / f"block-{b:05d}.safetensors").unlink()
+        p.trim()
+    shutil.rmtree(store, ignore_errors=True)
+    return [u for b in range(n_blocks) for u in per_block[b]]
+
+
+def _save_inputs(path: Path, hidden: list[torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({str(i): h.contiguous() for i, h in enumerate(hidden)}, str(path))
+
+
+def _load_inputs(path: Path, device) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    got = load_file(str(path), device=str(device))
+    return [got[str(i)] for i in range(len(got))]
 
 
 def recipe_text(units: list[Unit], cfg, reached: float) -> str:

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from sq.anatomy import decoder_blocks
+from sq.errors import SqError
 from sq.parallel.fsdp import unsharded
 
 CALIB_BATCH = 8  # samples per calibration forward
@@ -148,17 +149,7 @@ def capture_block0(model: nn.Module, windows: torch.Tensor, device,
     blocks = decoder_blocks(model)
     inner = model.get_submodule(blocks[0][0].rsplit(".", 2)[0])
     block0 = blocks[0][1]
-    swapped = []
-    for mname, mod in inner.named_modules():
-        if mname.startswith("layers"):
-            continue
-        for leaf, p in list(mod._parameters.items()):
-            if isinstance(p, DTensor):
-                swapped.append((mod, leaf, p))
-                full = p.full_tensor()
-                if dtype is not None and full.is_floating_point():
-                    full = full.to(dtype)
-                mod._parameters[leaf] = nn.Parameter(full, requires_grad=False)
+    swapped = _full_root(inner, blocks, dtype)
     captured = []
 
     def hook(module, args, kwargs):
@@ -184,9 +175,126 @@ def capture_block0(model: nn.Module, windows: torch.Tensor, device,
                 finally:
                     handle.remove()
     finally:
-        for mod, leaf, p in swapped:
-            mod._parameters[leaf] = p
+        _put_back(swapped)
     return captured
+
+
+def _full_root(model: nn.Module, blocks, dtype: torch.dtype | None) -> list:
+    """Swap every sharded parameter of ``model`` outside its decoder blocks for a full copy (collective;
+    cast to ``dtype`` when given), a tied one once; returns what ``_put_back`` restores."""
+    inside = {id(m) for _, b in blocks for m in b.modules()}
+    swapped, full_of = [], {}
+    for mod in model.modules():
+        if id(mod) in inside:
+            continue
+        for leaf, p in list(mod._parameters.items()):
+            if isinstance(p, DTensor):
+                if id(p) not in full_of:
+                    full = p.full_tensor()
+                    if dtype is not None and full.is_floating_point():
+                        full = full.to(dtype)
+                    full_of[id(p)] = nn.Parameter(full, requires_grad=False)
+                swapped.append((mod, leaf, p))
+                mod._parameters[leaf] = full_of[id(p)]
+    return swapped
+
+
+def _put_back(swapped: list) -> None:
+    for mod, leaf, p in swapped:
+        mod._parameters[leaf] = p
+
+
+class _Inject(nn.Module):
+    """Stands in for a decoder block in the head's forward: hands its input on (``hidden`` is None), or
+    returns ``hidden`` instead (the last block), as a tensor or the first of ``width`` outputs."""
+
+    def __init__(self, hidden: torch.Tensor | None, width: int):
+        super().__init__()
+        object.__setattr__(self, "_sq_state", (hidden, width))
+
+    def forward(self, *args, **kwargs):
+        hidden, width = self._sq_state
+        h = hidden if hidden is not None else (args[0] if args else kwargs["hidden_states"])
+        return (h, *[None] * (width - 1)) if width else h
+
+
+def head_grads(model: nn.Module, finals: list[torch.Tensor], windows: torch.Tensor, total_tokens: int,
+               dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The gradient of the next-token cross entropy, summed over this rank's tokens over
+    ``total_tokens`` (every rank's), at the last decoder block's outputs ``finals`` (one per batch of
+    ``CALIB_BATCH`` rows of ``windows``).  The model's own forward after its layers computes the logits
+    (its final norm, ``lm_head``, any soft-capping or scaling) with every block standing aside
+    (``_Inject``) and the root's parameters full copies (collective), a sample at a time.  The root
+    FSDP unit's hooks are bypassed (``type(model).forward``).  Raises SqError where the model's loop
+    does not carry the injected states to its logits."""
+    blocks = decoder_blocks(model)
+    names = [prefix.rsplit(".", 1) for prefix, _ in blocks]
+    parents = [model.get_submodule(p) for p, _ in names]
+    swapped = _full_root(model, blocks, dtype)
+    saved = [(parent, leaf, parent._modules[leaf]) for parent, (_, leaf) in zip(parents, names)]
+    width, why = None, "no logits that depend on them"
+    grads = []
+    try:
+        for b, final in enumerate(finals):
+            g = torch.zeros_like(final, dtype=torch.float32)
+            for j in range(final.shape[0]):
+                ids = windows[b * CALIB_BATCH + j : b * CALIB_BATCH + j + 1].to(final.device)
+                h = final[j : j + 1].detach().clone().requires_grad_(True)
+                for w in ((width,) if width is not None else (0, 1, 2, 3)):
+                    for i, (parent, leaf, _) in enumerate(saved):
+                        parent._modules[leaf] = _Inject(h if i == len(saved) - 1 else None, w)
+                    try:
+                        with torch.enable_grad():
+                            logits = type(model).forward(model, input_ids=ids, use_cache=False).logits
+                    except Exception as e:  # noqa: BLE001 - the loop wanted another output form: try the next
+                        if width is not None:
+                            raise
+                        why = f"{type(e).__name__}: {e}"
+                        continue
+                    if logits.requires_grad and logits.shape[:2] == ids.shape:
+                        width = w
+                        break
+                else:
+                    raise SqError(f"{type(model).__name__}: the logits could not be computed from the last "
+                                  "block's outputs (its forward after the layers is not a norm and a head "
+                                  f"over them; {why}); score with --search-score mse")
+                with torch.enable_grad():
+                    loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+                    (loss / total_tokens).backward()
+                g[j] = h.grad[0]
+            grads.append(g)
+    finally:
+        for parent, leaf, real in saved:
+            parent._modules[leaf] = real
+        _put_back(swapped)
+    return grads
+
+
+def block_grads(block: nn.Module, inputs, grads: list[torch.Tensor], steps: int, dummy,
+                autocast: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Back through ``block``: the gradient at each batch's input given ``grads`` at its output (float32),
+    the block's own weights constant.  Ranks pad with ``dummy`` (a forward only) as ``block_forward``;
+    the block's FSDP hooks are bypassed (``block.forward``) while ``unsharded`` holds its weights."""
+    out = []
+    frozen = [p for p in block.parameters() if p.requires_grad]
+    for p in frozen:  # constants: no gradient, no FSDP2 grad sync
+        p.requires_grad_(False)
+    try:
+        with unsharded(block), autocast_to(autocast, dummy[0].device):
+            for i in range(steps):
+                real = i < len(inputs)
+                hidden, kw = inputs[i] if real else dummy
+                x = hidden.detach().clone().requires_grad_(real)
+                with torch.set_grad_enabled(real):
+                    y = block.forward(x, **block_kwargs(kw, block))
+                    y = y[0] if isinstance(y, tuple) else y
+                    if real:
+                        y.backward(grads[i].to(y.dtype))
+                        out.append(x.grad.float())
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return out
 
 
 def autocast_to(dtype: torch.dtype | None, device: torch.device):
