@@ -1,6 +1,7 @@
 """sq's ``--target-bits`` search beside auto-round 0.16's AutoScheme at the same budget (issue 37).
 
-    .venv/bin/python bench/peers/autoscheme.py [--bits 4.5] [--nsamples 128] [--seqlen 512] [--steps choose,gptq,eval]
+    .venv/bin/python bench/peers/autoscheme.py [--bits 4.5] [--nsamples 128] [--seqlen 512] [--gptq-nsamples 128]
+        [--steps choose,gptq,eval]
 
 Both choose between W4 g64 and W8 g64 (symmetric int, weights only) per Linear on the same calibration
 windows (``bench/peers.py``'s ``windows_file``: sq's own tokenization of ``builtin:pydoc``):
@@ -12,7 +13,7 @@ windows (``bench/peers.py``'s ``windows_file``: sq's own tokenization of ``built
    -- AutoScheme's delta-loss choice, then round-to-nearest -- saved as compressed-tensors; its per-layer
    choice (``ar.layer_config``) written as an sq recipe (``autoscheme_recipe.yaml``: W4A16 by default, an
    exact-name rule per 8-bit Linear).
-2. ``gptq``: sq GPTQ at 2 ranks with that recipe (``--recipe``): AutoScheme's allocation under sq's
+2. ``gptq``: sq GPTQ at 2 ranks with that recipe (``--recipe``; ``--gptq-nsamples`` x ``--seqlen`` tokens): AutoScheme's allocation under sq's
    quantizer, to set beside sq's own search + GPTQ (``bench/ptq.py --runs tb45_w2``).
 3. ``eval``: ``bench/peers/eval_preset.py`` on both outputs (the standard benchmark's last 40 windows).
 
@@ -106,6 +107,7 @@ def main() -> int:
     ap.add_argument("--bits", type=float, default=4.5)
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--gptq-nsamples", type=int, default=128, help="sq GPTQ's calibration (the standard benchmark's)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", default="choose,gptq,eval")
     args = ap.parse_args()
@@ -137,7 +139,7 @@ def main() -> int:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                         "sq.ptq", "--model", str(src), "--output", str(sq_out), "--algo", "gptq", "--group-size",
-                        str(GROUP), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "--recipe",
+                        str(GROUP), "--nsamples", str(args.gptq_nsamples), "--seqlen", str(args.seqlen), "--recipe",
                         str(ar_out / "autoscheme_recipe.yaml"), "--resume", "never"], check=True, env=env)
         rec[tag]["sq_gptq_wall_s"] = round(time.perf_counter() - t, 1)
     if "eval" in steps:
