@@ -41,6 +41,8 @@ experts by their module), scored under candidates whose scales follow rows alone
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import logging
@@ -267,11 +269,7 @@ def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocas
             h.remove()
         counting.remove() if counting is not None else leaders.release()
     if counting is not None:
-        for g in counting.gptq.values():  # every rank's tokens, in a fixed order
-            n = torch.tensor([g.nsamples], dtype=torch.int64)
-            dist.all_reduce(g.H)
-            dist.all_reduce(n)
-            g.nsamples = int(n.item())
+        counting.all_reduce()  # every rank's tokens
     lead = leaders.lead
     dense: dict[str, list[Linear]] = {}
     for lin in linears:
@@ -450,23 +448,31 @@ def _scored_block(p, b, schemes, inputs, steps, dummy, state, grads=None) -> tup
     return units, outs
 
 
+@contextlib.contextmanager
+def _filled(p, b: int):
+    """Block ``b``'s weights filled for the duration, then freed and the C heap's free pages given back to
+    the OS (as after a quantized block)."""
+    names = p.weights.block_names(b)
+    p.weights.fill(names)
+    try:
+        yield
+    finally:
+        p.weights.free(names)
+    p.trim()
+
+
 def _mse_pass(p, schemes, scored: dict, state) -> list[Unit]:
     """Blocks in order on the full-precision chain; each unit's score is the block output's mean
     squared error with it quantized."""
     inputs, steps, dummy = _start(p)
     units: list[Unit] = []
     for b, (prefix, block) in enumerate(p.targets.blocks):
-        names = p.weights.block_names(b)
-        p.weights.fill(names)
-        try:
+        with _filled(p, b):
             if b in scored:
                 block_units = [Unit(**u) for u in scored[b]]
                 outs = block_forward(block, inputs, steps, dummy, autocast=p.autocast)
             else:
                 block_units, outs = _scored_block(p, b, schemes, inputs, steps, dummy, state)
-        finally:
-            p.weights.free(names)
-        p.trim()  # the C heap's free pages back to the OS, as after a quantized block
         units += block_units
         inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
         dummy = inputs[0]
@@ -486,13 +492,8 @@ def _fisher_pass(p, schemes, scored: dict, state) -> list[Unit]:
     store.mkdir(parents=True, exist_ok=True)
     for b, (_, block) in enumerate(p.targets.blocks):  # the chain forward, each block's inputs kept
         _save_inputs(store / f"block-{b:05d}.safetensors", [h for h, _ in inputs])
-        names = p.weights.block_names(b)
-        p.weights.fill(names)
-        try:
+        with _filled(p, b):
             outs = block_forward(block, inputs, steps, dummy, autocast=p.autocast)
-        finally:
-            p.weights.free(names)
-        p.trim()
         inputs = [(y, kw) for y, kw in zip(outs, kws)]
         dummy = inputs[0]
     total = torch.tensor([sum(h.shape[0] for h, _ in inputs) * (p.cfg.seqlen - 1)], dtype=torch.float64)
@@ -506,18 +507,13 @@ def _fisher_pass(p, schemes, scored: dict, state) -> list[Unit]:
         block = p.targets.blocks[b][1]
         inputs = [(h, kw) for h, kw in zip(_load_inputs(store / f"block-{b:05d}.safetensors", p.device), kws)]
         dummy = inputs[0]
-        names = p.weights.block_names(b)
-        p.weights.fill(names)
-        try:
+        with _filled(p, b):
             if b in scored:
                 per_block[b] = [Unit(**u) for u in scored[b]]
             else:
                 per_block[b], _ = _scored_block(p, b, schemes, inputs, steps, dummy, state, grads)
             grads = block_grads(block, inputs, grads, steps, dummy, autocast=p.autocast) if b else None
-        finally:
-            p.weights.free(names)
         (store / f"block-{b:05d}.safetensors").unlink()
-        p.trim()
     shutil.rmtree(store, ignore_errors=True)
     return [u for b in range(n_blocks) for u in per_block[b]]
 

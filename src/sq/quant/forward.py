@@ -276,25 +276,32 @@ def block_grads(block: nn.Module, inputs, grads: list[torch.Tensor], steps: int,
     the block's own weights constant.  Ranks pad with ``dummy`` (a forward only) as ``block_forward``;
     the block's FSDP hooks are bypassed (``block.forward``) while ``unsharded`` holds its weights."""
     out = []
-    frozen = [p for p in block.parameters() if p.requires_grad]
-    for p in frozen:  # constants: no gradient, no FSDP2 grad sync
+    with frozen(block), unsharded(block), autocast_to(autocast, dummy[0].device):
+        for i in range(steps):
+            real = i < len(inputs)
+            hidden, kw = inputs[i] if real else dummy
+            x = hidden.detach().clone().requires_grad_(real)
+            with torch.set_grad_enabled(real):
+                y = block.forward(x, **block_kwargs(kw, block))
+                y = y[0] if isinstance(y, tuple) else y
+                if real:
+                    y.backward(grads[i].to(y.dtype))
+                    out.append(x.grad.float())
+    return out
+
+
+@contextlib.contextmanager
+def frozen(block: nn.Module):
+    """The block's own weights as constants for the duration (no gradient, no FSDP2 grad sync): those that
+    required a gradient stop, and start again after."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    for p in params:
         p.requires_grad_(False)
     try:
-        with unsharded(block), autocast_to(autocast, dummy[0].device):
-            for i in range(steps):
-                real = i < len(inputs)
-                hidden, kw = inputs[i] if real else dummy
-                x = hidden.detach().clone().requires_grad_(real)
-                with torch.set_grad_enabled(real):
-                    y = block.forward(x, **block_kwargs(kw, block))
-                    y = y[0] if isinstance(y, tuple) else y
-                    if real:
-                        y.backward(grads[i].to(y.dtype))
-                        out.append(x.grad.float())
+        yield
     finally:
-        for p in frozen:
+        for p in params:
             p.requires_grad_(True)
-    return out
 
 
 def autocast_to(dtype: torch.dtype | None, device: torch.device):

@@ -60,7 +60,7 @@ from sq.quant.settings import AlgoConfig, option
 from sq.formats import primitives
 from sq.quant import rtn
 from sq.formats.specs import required_reductions, spec_for
-from sq.quant.forward import autocast_to, block_kwargs
+from sq.quant.forward import autocast_to, block_kwargs, frozen
 from sq.formats.schemes import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -390,15 +390,9 @@ def tune_block(block: nn.Module, slots: list[TunedWeight], q_inputs, fp_outputs:
     gen = torch.Generator().manual_seed((seed * 1_000_003 + block_index) * 4099 + rank)
     numel_per_sample = fp_rows[0].numel()
     clock = _Clock()
-    frozen = [p for p in block.parameters() if p.requires_grad]
-    for p in frozen:  # the block's own weights are constants here: no gradient, no FSDP2 grad sync
-        p.requires_grad_(False)
-    try:
+    with frozen(block):  # the block's own weights are constants here
         first, best = _loop(block, slots, q_rows, fp_rows, kw0, micro, bs, share, n_local, gen, cfg,
                             numel_per_sample, clock, autocast)
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
     return {"loss_first": first, "loss_best": best if first is not None else None,
             **{f"{k}_s": round(v, 3) for k, v in clock.seconds.items()}}
 

@@ -86,6 +86,17 @@ class Counting:
                 self.gptq[name].add_batch(x, self.fp_in[name] if self.paired else None)
         return hook
 
+    def all_reduce(self) -> None:
+        """Every rank's tokens in each accumulator (``H``, GPTAQ's cross term, the sample count): a collective,
+        the accumulators in the same order on every rank."""
+        for g in self.gptq.values():
+            n = torch.tensor([g.nsamples], dtype=torch.int64, device=self.device)
+            dist.all_reduce(g.H)
+            if g.cross is not None:
+                dist.all_reduce(g.cross)
+            dist.all_reduce(n)
+            g.nsamples = int(n.item())
+
     def release(self) -> None:
         """Drop the full-precision pass's inputs (a batch's are held until its quantized pass is done)."""
         self.fp_in.clear()
@@ -170,13 +181,7 @@ class GPTQAlgorithm(Algorithm):
         counting.remove()
         for c in calibs:
             c.remove()
-        for g in counting.gptq.values():
-            n = torch.tensor([g.nsamples], dtype=torch.int64, device=work.device)
-            dist.all_reduce(g.H)
-            if g.cross is not None:
-                dist.all_reduce(g.cross)
-            dist.all_reduce(n)
-            g.nsamples = int(n.item())
+        counting.all_reduce()
         work.state["counting"] = counting
         work.state["calibs"] = {id(c.experts): c for c in calibs}
 
