@@ -59,10 +59,10 @@ GPTAQ = ("gptaq_w2", "gptaqlater_w2", "gptaq01_w2", "gptaqfull_w2", "gptqfull_w2
 # --target-bits (issue 37): {W4A16 g64, W8A16 g64} at 4.5 and 5.0 stored bits per weight, GPTQ
 SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w8_w2", "tbfp_w2", "eval_tbfp_w2",
           "tb45mse_w2", "eval_tb45mse_w2", "tb50mse_w2", "eval_tb50mse_w2")
-# --rotate r1,r2 (issue 36): beside RTN / GPTQ / GPTAQ at 4, 3 and 2 bits, and the W4A4 float formats
+# --rotate r1,r2[,r4] (issue 36): beside RTN / GPTQ / GPTAQ at 4, 3 and 2 bits, and the W4A4 float formats
 ROTATE = ("rtnrot_w2", "gptqrot_w2", "gptaqrot_w2", "gptq3rot_w2", "gptq2rot_w2", "gptaq2rot_w2",
           "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2",
-          "nvgptaq_w2", "sr4rot_w2")
+          "nvgptaq_w2", "sr4rot_w2", "mxgptaqrot4b32_w2", "nvgptaqr4b16_w2")
 ROTATE += tuple(f"eval_{r}" for r in ROTATE)
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH, *ROTATE)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
@@ -98,6 +98,8 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "nvgptqrot": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2"]),
     "nvgptqrotb16": ("gptq", ["--scheme", "NVFP4", "--rotate", "r1,r2", "--rotate-block", "16"]),
     "nvgptaq": ("gptaq", ["--scheme", "NVFP4"]),
+    "mxgptaqrot4b32": ("gptaq", ["--scheme", "MXFP4", "--rotate", "r1,r2,r4", "--rotate-block", "32"]),
+    "nvgptaqr4b16": ("gptaq", ["--scheme", "NVFP4", "--rotate", "r4", "--rotate-block", "16"]),
     "sr4rot": ("signround", ["--iters", "50", "--rotate", "r1,r2"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64

@@ -214,6 +214,8 @@ GPU_CASES = [  # (preset, model, extra sq.ptq flags)
     ("NVFP4A16", "model", []), ("NVFP4", "model", []), ("MXFP4A16", "model", []), ("MXFP8", "model", []),
     ("W8A16", "model", []), ("FP8", "model", []), ("FP8", "model", ["--kv-cache", "fp8"]),
     ("FP8_BLOCK", "llama128", []), ("W4A16", "moe", []), ("FP8_DYNAMIC", "moe", []),
+    # online rotation (transform_config), which vLLM's CPU build cannot apply
+    ("W4A16", "model", ["--rotate", "r1,r2,r4", "--rotate-block", "64"]),
 ]
 
 
@@ -236,7 +238,7 @@ def cmd_gpu(args) -> int:
                                      head_dim=64, num_hidden_layers=2)}
     groups: dict[str, list[tuple[str, Case]]] = {}
     for preset, model, extra in GPU_CASES:
-        name = f"{model}-{preset}{'-kv' if extra else ''}"
+        name = f"{model}-{preset}{'-kv' if '--kv-cache' in extra else ''}{'-r4' if '--rotate' in extra else ''}"
         out = work / name
         if not (out / "config.json").is_file():
             group = ["--group-size", "64"] if preset in ("W8A16", "W4A16") else []

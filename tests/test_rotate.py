@@ -14,13 +14,15 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from harness import run_cli, run_ranks
 from quant_ref import quantize_jobs, read_tensors
-from sq.quant.rotate import hadamard, orthogonal, rotate_head_columns, rotate_head_rows, rotate_input, rotate_output
+from sq.formats.transforms import blockwise
+from sq.quant.rotate import hadamard, online_hadamard, orthogonal, rotate_head_columns, rotate_head_rows, rotate_input, rotate_output
 from sq.testing.zoo import check_rotated
 
 
@@ -61,6 +63,10 @@ def test_weight_maths_keeps_the_function():
     wv, wo = torch.randn(8, 12), torch.randn(12, 8)  # 2 heads of 4
     v = x @ wv.T
     assert torch.allclose((x @ rotate_head_rows(wv, h).T) @ rotate_head_columns(wo, h).T, v @ wo.T, atol=1e-5)
+    qb = online_hadamard(12, 0, block=4)  # R4: input and weight columns by the same I ⊗ Q_b
+    assert torch.equal(qb, online_hadamard(36, 0, block=4)) and online_hadamard(12, 0, block=6) is None
+    assert torch.equal((qb * 2).round().abs(), torch.ones(4, 4, dtype=torch.float64))  # sqrt(b) Q_b is ±1
+    assert torch.allclose(blockwise(x, qb.float()) @ blockwise(w, qb.float()).T, x @ w.T, atol=1e-5)
 
 
 def _job(model, out, **kw) -> dict:
@@ -147,7 +153,9 @@ def test_every_algorithm_on_a_rotated_model(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--rotate", "r3"], "--rotate r3: unknown rotation"),
+    (["--rotate", "r3"], "vLLM applies no attention transforms"),
+    (["--rotate", "r4", "--algo", "awq", "--scheme", "W4A16"], "--rotate r4 with --algo awq"),
+    (["--rotate", "r4", "--rotate-block", "48"], "--rotate-block 48 does not divide down_proj's input size 128"),
     (["--rotate-block", "24"], "--rotate-block 24 does not divide the hidden size 64"),
     (["--target-bits", "5", "--candidates", "W4A16,W8A16"], "--rotate with --target-bits"),
     (["--model-free"], "model-free quantization never builds"),
@@ -156,6 +164,94 @@ def test_refused_on_every_rank_before_anything_is_written(checkpoints, tmp_path,
     res = run_cli(_argv(checkpoints["llama"], tmp_path / "o", *extra), 2, timeout=120, stop_on_failure=False)
     assert res.codes == [2, 2] and words in res.stderr and "Traceback" not in res.output, res.output[-3000:]
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+def test_r4_refused_on_routed_experts(checkpoints, tmp_path):
+    argv = _argv(checkpoints["qwen3_moe"], tmp_path / "o")
+    argv[argv.index("r1,r2")] = "r4"
+    res = run_cli(argv, 2, timeout=120, stop_on_failure=False)
+    assert res.codes == [2, 2] and "holds routed experts; vLLM applies online transforms" in res.stderr, res.output[-3000:]
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+def test_r4_online_rotation_written_as_transform_config(checkpoints, tmp_path):
+    """--rotate r1,r2,r4: down_proj's weights rotated, the rotation stored and declared as compressed-tensors'
+    transform_config; loaded with it hooked on (sq.formats.transforms) the output is the source's function, and
+    without it it is not; 1 vs 2 ranks bit-identical."""
+    outs = {}
+    for world, block in ((2, 16), (1, 16), (2, None)):
+        out = outs[world, block] = tmp_path / f"w{world}-{block}"
+        extra = ["--rotate-block", str(block)] if block else []
+        argv = _argv(checkpoints["llama"], out, *extra)
+        argv[argv.index("r1,r2")] = "r1,r2,r4"
+        res = run_cli(argv, world, timeout=300)
+        assert res.returncode == 0, res.output[-3000:]
+    out = outs[2, 16]
+    cfg = json.loads((out / "config.json").read_text())
+    tc = cfg["quantization_config"]["transform_config"]["config_groups"]["R4"]
+    targets = [f"model.layers.{i}.mlp.down_proj" for i in range(cfg["num_hidden_layers"])]
+    assert tc["type"] == "random-hadamard" and tc["head_dim"] == 16 and not tc["randomize"]
+    assert [(a["location"], a["inverse"], a["targets"]) for a in tc["apply"]] == [
+        ("input", False, targets), ("weight_input", True, targets)]
+    tensors = read_tensors(out)
+    mats = [tensors[t + ".R4_input.weight"] for t in targets]
+    assert all(torch.equal(m, mats[0]) for m in mats) and mats[0].shape == (16, 16)
+    assert set(mats[0].unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(mats[0].double() @ mats[0].double().T, 16 * torch.eye(16, dtype=torch.float64))
+    report = json.loads((out / "sq_report.json").read_text())["rotation"]
+    assert report["r4"]["head_dim"] == 16 and all(b["online"] == 1 for b in report["blocks"].values())
+    for o in (out, outs[2, None]):
+        check_rotated(checkpoints["llama"], o)  # with the online rotation hooked on: the source's function
+    whole = json.loads((outs[2, None] / "config.json").read_text())["quantization_config"]["transform_config"]
+    assert whole["config_groups"]["R4"]["head_dim"] is None
+    assert read_tensors(outs[2, None])[targets[0] + ".R4_input.weight"].shape == (128, 128)
+    a = read_tensors(outs[1, 16])
+    assert a.keys() == tensors.keys() and all(torch.equal(a[k], tensors[k]) for k in a)
+    # without the online rotation the stored down_proj weights compute something else
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(3, 27).reshape(2, 12)
+    with torch.no_grad():
+        ref, got = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)(input_ids=ids).logits.float()
+                    for p in (checkpoints["llama"], out))
+    assert float((got - ref).norm() / ref.norm()) > 0.1
+
+
+def test_r4_killed_and_resumed_bit_identical(checkpoints, tmp_path):
+    """The online rotation's matrices and transform_config survive a kill: block 0's shard (with its
+    R4_input.weight) is kept, the rest rotated on the rerun, the config names every down_proj."""
+    outs = {}
+    for name, env in (("fresh", {}), ("killed", {"SQ_FAULT": "after-shard-write:1:1"})):
+        argv = _argv(checkpoints["llama"], tmp_path / name, "--rotate-block", "16")
+        argv[argv.index("r1,r2")] = "r1,r2,r4"
+        if env:
+            killed = run_cli(argv, 2, timeout=300, env=env)
+            assert killed.returncode != 0 and not (tmp_path / name / "model.safetensors.index.json").exists()
+        res = run_cli(argv, 2, timeout=300)
+        assert res.returncode == 0, res.output[-3000:]
+        outs[name] = tmp_path / name
+    assert json.loads((outs["killed"] / "sq_report.json").read_text())["resumed_from_block"] == 1
+    a, b = read_tensors(outs["fresh"]), read_tensors(outs["killed"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ca, cb = (json.loads((o / "config.json").read_text())["quantization_config"] for o in outs.values())
+    assert ca["transform_config"] == cb["transform_config"] and ca["transform_config"]["config_groups"]
+
+
+@pytest.mark.parametrize("apply,randomize,words", [
+    ([{"targets": ["re:.*down_proj$"], "location": "output"}], False, "online transform sq cannot apply (location output)"),
+    ([{"targets": ["re:.*q_proj$"], "location": "q_attn"}], False, "(location q_attn)"),
+    ([{"targets": ["re:.*down_proj$"], "location": "input"}], True, "randomize (a matrix per module)"),
+    ([{"targets": ["re:.*down_proj$"], "location": "input"}], False, "no *.R4_input.weight tensor is stored"),
+])
+def test_an_online_transform_sq_cannot_apply_is_refused(tmp_path, apply, randomize, words):
+    """A checkpoint whose transform_config sq cannot apply is one SqError, never a model loaded without it."""
+    from sq.errors import SqError
+    from sq.formats.transforms import apply_online_transforms
+
+    tc = {"config_groups": {"R4": {"type": "hadamard", "apply": apply, "randomize": randomize}}}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"transform_config": tc}}))
+    with pytest.raises(SqError, match=re.escape(words)):
+        apply_online_transforms(torch.nn.Linear(4, 4), tmp_path)
 
 
 def test_in_memory_model_refused(checkpoints, tmp_path):

@@ -324,6 +324,10 @@ KERNEL_DEPENDENT = [
     ("fp8-block", _llama128, "FP8_BLOCK", ["--algo", "rtn"], {"schemes": {"CompressedTensorsW8A8Fp8": 2 * 4}},
      r"requires AMX tile support|Failed to find a kernel"),
     ("moe-w4a16", _moe128, "W4A16", ["--algo", "rtn", "--group-size", "64"], MOE_BUILT, MOE_REFUSAL),
+    # --rotate r4: down_proj's input rotated online (transform_config). vLLM 0.32's CPU build cannot apply an
+    # online transform at all (its dense fallback calls the CPU GEMM on a module without one); the GPU runs it
+    ("w4a16-r4", _llama128, "W4A16", ["--algo", "rtn", "--group-size", "64", "--rotate", "r4", "--rotate-block", "64"],
+     {"schemes": {"CompressedTensorsWNA16": 2 * 4}}, r"'HadamardTransform' object has no attribute 'cpu_linear'"),
     # the path MoE users run: 2 ranks, experts split between them (--ep 2), GPTQ
     ("moe-gptq-ep2", _moe128, "W4A16", ["--algo", "gptq", "--group-size", "64", "--ep", "2", "--nsamples", "16",
                                         "--seqlen", "128"], MOE_BUILT, MOE_REFUSAL),
@@ -334,7 +338,8 @@ KERNEL_DEPENDENT = [
 def test_served_where_the_engine_has_its_kernel(engine, tmp_path, case, build, preset, flags, built, refusal):
     """FP8_BLOCK at widths that are multiples of 128 (a random Llama, hidden 256) and a W4A16 MoE (a random
     Qwen3-MoE, every layer's experts packed; RTN, and GPTQ on 2 ranks with the experts split between them):
-    vLLM's CPU build has their kernels only with AMX tiles (bf16).
+    vLLM's CPU build has their kernels only with AMX tiles (bf16).  An online rotation (``--rotate r4``), which
+    vLLM's CPU build cannot apply on any CPU: one SqError, never a checkpoint served without its rotation.
     Found by asking the engine: where it builds the layers (a Xeon with AMX) the output is served as
     transformers reads it; where it does not (an AMD EPYC), the refusal is one SqError naming vLLM's reason."""
     from sq.calib.data import BUILTIN_PYDOC, eval_windows, load_tokenizer, read_corpus, tokenize_corpus

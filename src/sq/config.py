@@ -92,8 +92,10 @@ class PTQConfig:
             v = getattr(self, flag)
             if v is not None and v <= 0:
                 out.append(f"--{flag} must be positive, got {v}")
-        out += [f"--rotate {r}: unknown rotation (known: {', '.join(ROTATIONS)})" for r in self.rotate
-                if r not in ROTATIONS]
+        out += [f"--rotate {r}: unknown rotation (known: {', '.join(ROTATIONS)})" + (
+                    "; r3 (queries and keys, for a quantized KV cache) is not built: vLLM applies no attention "
+                    "transforms, so a checkpoint with one would be served without it" if r == "r3" else "")
+                for r in self.rotate if r not in ROTATIONS]
         if self.rotate_block is not None and not self.rotate:
             out.append("--rotate-block sizes the blocks of --rotate's rotations; give --rotate too")
         if len(set(self.rotate)) != len(self.rotate):

@@ -107,14 +107,16 @@ def build_parser() -> ArgParser:
                         "(the block output's squared error), or auto (fisher; mse on models with routed experts); "
                         "either quantizes the Linear as the job will (GPTQ for gptq and gptaq, else RTN) "
                         "(default: %(default)s)")
-    p.add_argument("--rotate", default="", metavar="R1[,R2]",
-                   help="offline rotations fused into the weights before the algorithm (docs/rotations.md): r1 "
+    p.add_argument("--rotate", default="", metavar="R1[,R2][,R4]",
+                   help="rotations fused into the weights before the algorithm (docs/rotations.md): r1 "
                         "rotates the residual stream (norms folded in, tied embeddings untied), r2 each attention "
-                        "head's values; proven on every block (the rotated block computes the same function) and "
-                        "nothing needed at serving time (default: none)")
+                        "head's values (both offline: nothing needed at serving time), r4 down_proj's input online "
+                        "(written as compressed-tensors' transform_config, which vLLM applies; transformers does "
+                        "not); each proven on every block (the rotated block computes the same function) "
+                        "(default: none)")
     p.add_argument("--rotate-block", type=int, default=None, metavar="N",
-                   help="block-diagonal rotations over groups of N channels (a divisor of the hidden size and head "
-                        "size) instead of one over all of them: with a format whose scales cover groups of N "
+                   help="block-diagonal rotations over groups of N channels (a divisor of the hidden size, head "
+                        "size and, for r4, down_proj's input size) instead of one over all of them: with a format whose scales cover groups of N "
                         "(MXFP4 32, NVFP4 16), an outlier then spreads only within its own group (default: whole)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "

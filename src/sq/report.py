@@ -103,6 +103,10 @@ def summary_lines(report: dict, worst: int = 5) -> list[str]:
         errors = [b["error"] for b in rot["blocks"].values()] + ([rot["root"]["error"]] if "root" in rot else [])
         kinds = [f"r1 ({rot['r1']} {rot['hidden_size']})"] if rot.get("r1") else []
         kinds += [f"r2 ({kind} {d})" for d, kind in rot.get("r2", {}).items()]
+        if rot.get("r4"):
+            online = sum(b.get("online", 0) for b in rot["blocks"].values())
+            kinds.append(f"r4 online on {online} down_proj (transform_config group {rot['r4']['group']}: vLLM "
+                         "applies it, transformers does not)")
         size = f" in blocks of {rot['block']}" if rot.get("block") else ""
         lines.append(f"  rotated: {', '.join(kinds) or 'nothing'}{size}; proven on {len(rot['blocks'])} block(s), "
                      f"largest relative error {max(errors, default=0):.2e}")

@@ -297,12 +297,14 @@ class Run:
         return rank0_stage(stage, "writing the config, report and index") or {}
 
     def write_final(self, config: dict, groups: dict, unquantized: list[str], report: dict, frags: list[dict],
-                    side_files: Callable[[], list], kv_cache=None, before_index: Callable[[], None] | None = None) -> None:
+                    side_files: Callable[[], list], kv_cache=None, before_index: Callable[[], None] | None = None,
+                    transforms: dict | None = None) -> None:
         """Rank 0: the config with its ``quantization_config``, the side files, the report (with the run's
         signature, which a rerun compares itself with), ``before_index``; the merged index last, which
         makes the folder a checkpoint; then the run folder goes."""
         config = dict(config)
-        config["quantization_config"] = quantization_config(groups, unquantized, kv_cache_scheme=kv_cache)
+        config["quantization_config"] = quantization_config(groups, unquantized, kv_cache_scheme=kv_cache,
+                                                            transform_config=transforms)
         writer.write_json(self.out / "config.json", config)
         report["side_files"] = side_files()
         report["run_signature"], report["run_signature_sha256"] = self.sig, signature_sha(self.sig)

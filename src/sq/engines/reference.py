@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from sq.errors import SqError
+from sq.formats.transforms import apply_online_transforms
 
 
 # compressed-tensors 0.20 decompresses these formats to bfloat16 whatever the model's dtype, so a float32
@@ -32,17 +33,20 @@ def compute_dtype(source) -> torch.dtype:
 
 
 def load(spec: str, source, *, model: bool):
-    """The tokenizer (or, with ``model``, the CPU model in ``compute_dtype``) of ``source``; a failure as one sq line."""
+    """The tokenizer (or, with ``model``, the CPU model in ``compute_dtype``, the checkpoint's online transforms
+    hooked on) of ``source``; a failure as one sq line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         if not model:
             return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        return AutoModelForCausalLM.from_pretrained(source, dtype=compute_dtype(source), device_map="cpu",
-                                                    trust_remote_code=False, use_safetensors=True).eval()
+        m = AutoModelForCausalLM.from_pretrained(source, dtype=compute_dtype(source), device_map="cpu",
+                                                 trust_remote_code=False, use_safetensors=True).eval()
     except (OSError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())  # one line per problem, as every sq error
         raise SqError(f"cannot load model {spec!r} ({source}): {reason}") from e
+    apply_online_transforms(m, source)  # transformers ignores transform_config (sq.formats.transforms)
+    return m
 
 
 @torch.no_grad()

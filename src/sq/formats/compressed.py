@@ -143,9 +143,10 @@ def decompress_weight(tensors: Mapping[str, Tensor], scheme: QuantScheme) -> Ten
 
 
 def quantization_config(groups: Mapping[QuantScheme, Sequence[str]], ignore: Sequence[str], *,
-                        kv_cache_scheme=None) -> dict:
+                        kv_cache_scheme=None, transform_config: Mapping | None = None) -> dict:
     """``config.json``'s ``quantization_config`` for ``{scheme: targets}`` and ``ignore``
-    (``kv_cache_scheme``: the library's ``QuantizationArgs`` of a calibrated KV cache, or None).
+    (``kv_cache_scheme``: the library's ``QuantizationArgs`` of a calibrated KV cache, or None;
+    ``transform_config``: the online rotations' ``TransformConfig`` fields, validated by the library).
 
     Built with compressed-tensors' ``QuantizationConfig`` (one config group per scheme,
     ``format`` per group and overall -- ``mixed-precision`` when the groups differ --,
@@ -161,6 +162,7 @@ def quantization_config(groups: Mapping[QuantScheme, Sequence[str]], ignore: Seq
         TRANSFORM_CONFIG_NAME,
     )
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from compressed_tensors.transform import TransformConfig
 
     if not groups:
         raise SqError("quantization_config: no quantized layers (empty scheme groups)")
@@ -182,6 +184,7 @@ def quantization_config(groups: Mapping[QuantScheme, Sequence[str]], ignore: Seq
         COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
         QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
         SPARSITY_CONFIG_NAME: {},
-        TRANSFORM_CONFIG_NAME: {},
+        TRANSFORM_CONFIG_NAME: (TransformConfig.model_validate(dict(transform_config)).model_dump(mode="json")
+                                if transform_config else {}),
         **qc.model_dump(mode="json", exclude={"quant_method"}),
     }

@@ -69,7 +69,7 @@ from sq.probe import Choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
-from sq.pipeline.rotation import Rotation, rotation_problems
+from sq.pipeline.rotation import Rotation, r4_modules, rotation_problems
 from sq.pipeline.disk import written_bytes
 from sq.pipeline.preflight import disk_preflight, memory_preflight, time_preflight
 
@@ -431,6 +431,10 @@ class _Pipeline:
         if rank == 0:  # KV cache scales: per attention layer, the same on every rank
             for attn, scales in work.acts.kv.items():
                 tensors.update({self._ckpt_module(attn) + k: v for k, v in scales.items()})
+        if rank == 0 and self.rotation is not None:  # online rotations' matrices (R4), beside their Linears
+            for name, m in work.block.named_modules():
+                for rel, v in self.rotation.online_tensors(name, m, self.weight_dtype).items():
+                    tensors[self._ckpt_module(f"{work.prefix}.{name}") + rel] = v
         skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in EXPERT_PARAMS}
         params = dict(self.model.named_parameters())
         for n in names:
@@ -492,9 +496,12 @@ class _Pipeline:
             report = self._report(all_mine, start)
             unquantized = sorted({*self.targets.unquantized, *self.run.skipped})
             config = weights.config if self.rotation is None else self.rotation.config(weights.config)
+            transforms = None if self.rotation is None else self.rotation.transform_config(
+                [self._ckpt_module(n).removesuffix(".") for n, _ in r4_modules(self.model)])
             self.run.write_final(config, config_groups(self.targets, weights), unquantized, report,
                                  all_frags, lambda: weights.write_side_files(self.out),
-                                 kv_cache=kv_cache_args(self.cfg.kv_cache), before_index=lambda: _summary(report, self.out))
+                                 kv_cache=kv_cache_args(self.cfg.kv_cache), before_index=lambda: _summary(report, self.out),
+                                 transforms=transforms)
             return report
 
         return self.run.final(final)

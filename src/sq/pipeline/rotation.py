@@ -1,10 +1,18 @@
-"""``--rotate r1[,r2]``: offline rotations fused into the weights before any algorithm sees a block.
+"""``--rotate r1[,r2][,r4]``: rotations fused into the weights before any algorithm sees a block.
 
 R1 rotates the residual stream by one orthogonal ``Q`` (``sq.quant.rotate``): the embedding's rows,
 every reader of the stream (its norm's scale folded in, the norm's own scale set to one), every writer
 into it, and ``lm_head`` with the final norm folded in (tied embeddings are untied: the embedding and
 ``lm_head`` differ by that norm).  R2 rotates each attention head's values (``v_proj`` rows,
 ``o_proj`` columns).  The rotated model computes the same function; nothing is needed at serving time.
+R4 is online: every dense ``down_proj`` Linear's columns take ``I ⊗ Q_b`` and a forward pre-hook (first
+of all its hooks) turns its input into ``x (I ⊗ Q_b)`` for every later forward here (calibration,
+observers, the chain); the checkpoint says so in ``quantization_config.transform_config`` (group ``R4``,
+compressed-tensors' ``random-hadamard`` type with ``head_dim = b``, an ``input`` and an inverse
+``weight_input`` entry as llm-compressor writes them) and stores ``sqrt(b) Q_b`` as
+``<down_proj>.R4_input.weight`` (exact ±1), which vLLM multiplies the input by before the quantized
+matmul.  Routed experts (fused in vLLM, which applies transforms to Linear layers only) and AWQ (whose
+up -> down smoothing would scale the rotated columns) are refused.
 
 Nothing is keyed on a model's name or class.  Each block's roles are read off one traced forward of a
 short probe: a reader is a module whose input is the very tensor a norm-like module (one 1-D scale
@@ -37,11 +45,15 @@ from sq.parallel.collectives import full_tensor
 from sq.quant.experts import full_expert_rows
 from sq.parallel.fsdp import unsharded
 from sq.quant.forward import block_kwargs, capture_block0
-from sq.quant.rotate import (orthogonal, rotate_head_columns, rotate_head_rows, rotate_input, rotate_output)
+from sq.formats.transforms import blockwise
+from sq.quant.rotate import (online_hadamard, orthogonal, rotate_head_columns, rotate_head_rows,
+                             rotate_input, rotate_output)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["rotation_problems", "Rotation", "TOLERANCE"]
+__all__ = ["rotation_problems", "r4_modules", "Rotation", "TOLERANCE", "R4_GROUP"]
+
+R4_GROUP = "R4"  # the transform_config group, and the stored matrix's name: <down_proj>.R4_input.weight
 
 PROBE_TOKENS = 16
 # a block's contribution after rotation against before, relative: rounding the rotated weights to bf16
@@ -67,6 +79,41 @@ def rotation_problems(cfg, in_memory: bool, model: nn.Module) -> list[str]:
                    "from a checkpoint (sq.ptq, or sq.pipeline.job.quantize_model), not a model in memory")
     if cfg.target_bits is not None:
         out.append("--rotate with --target-bits: the search scores the unrotated blocks; run one or the other")
+    if "r4" in cfg.rotate:
+        out += _r4_problems(cfg, model)
+    return out
+
+
+def r4_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """R4's Linears: every ``nn.Linear`` named ``down_proj`` in a decoder block, in block order (full names)."""
+    return [(f"{prefix}.{n}", m) for prefix, block in decoder_blocks(model) for n, m in block.named_modules()
+            if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] == "down_proj"]
+
+
+def _r4_problems(cfg, model: nn.Module) -> list[str]:
+    out = []
+    if cfg.algo.name == "awq":
+        out.append("--rotate r4 with --algo awq: AWQ's up_proj -> down_proj smoothing would scale down_proj's "
+                   "rotated columns, not the channels it measured; use gptq, gptaq, rtn or signround")
+    blocks = decoder_blocks(model)
+    experts = sorted({p for p, block in blocks for n, m in block.named_modules()
+                      if is_experts_module(m) or "experts" in n.split(".")})
+    if experts:
+        out.append(f"--rotate r4: {experts[0]} holds routed experts; vLLM applies online transforms to Linear "
+                   "layers only, not to its fused MoE experts, so their rotated weights would be served unrotated")
+    mods = r4_modules(model)
+    have = {n.rsplit(".", 1)[0] for n, _ in mods}
+    missing = [p for p, block in blocks if not any(n.startswith(p + ".") for n in have) and p not in have]
+    if not mods or missing:
+        out.append(f"--rotate r4: {(missing or [blocks[0][0]])[0]} has no nn.Linear named down_proj (R4 rotates "
+                   "the MLP's down_proj input)")
+    for size in sorted({m.in_features for _, m in mods}):
+        b = cfg.rotate_block or size
+        if size % b:
+            out.append(f"--rotate-block {b} does not divide down_proj's input size {size} (r4)")
+        elif online_hadamard(size, cfg.seed, b) is None:
+            out.append(f"--rotate r4: no Hadamard matrix of order {b} is built here (down_proj's input size "
+                       f"{size}); give --rotate-block with a power of two dividing it")
     return out
 
 
@@ -161,6 +208,9 @@ class Rotation:
         self.q = None  # R1, built by start()
         self.report: dict = {"rotations": list(self.kinds), "hidden_size": self.hidden, "block": block,
                              "r1": None, "r2": {}, "blocks": {}, "tolerance": TOLERANCE}
+        self.r4: dict[int, torch.Tensor] = {}  # down_proj's input size -> the online block Q_b (float64)
+        if "r4" in self.kinds:
+            self.report["r4"] = {"type": "random-hadamard", "head_dim": block, "group": R4_GROUP}
         self.heads: dict[int, torch.Tensor] = {}
         self.probe = None
         self.tied = False
@@ -270,9 +320,13 @@ class Rotation:
             heads = self._rotate_r2(prefix, block)
             if heads:
                 errors["r2"] = self._prove(block, x, kwb, want, f"block {b} ({prefix})", "r2")
+        online = 0
+        if "r4" in self.kinds:
+            online = self._rotate_r4(block)
+            errors["r4"] = self._prove(block, x, kwb, want, f"block {b} ({prefix})", "r4")
         err = max(errors.values(), default=0.0)
         self.report["blocks"][prefix] = {"readers": len(readers), "writers": len(writers), "norms": len(norms),
-                                         "heads": heads, "error": round(err, 6)}
+                                         "heads": heads, "online": online, "error": round(err, 6)}
         logger.debug("block %d rotated: readers %s, writers %s, norms %s, %d heads; error %.2e", b,
                      {k: v[1] for k, v in readers.items()}, list(writers), list(norms), heads, err)
 
@@ -387,12 +441,53 @@ class Rotation:
             n += v.out_features // d
         return n
 
+    def _r4_block(self, size: int) -> torch.Tensor:
+        if size not in self.r4:
+            qb = online_hadamard(size, self.seed + 11, self.size)
+            if qb is None:  # rotation_problems refused it before anything was mutated
+                raise AssertionError(f"no Hadamard block for down_proj's input size {size}")
+            self.r4[size] = qb
+        return self.r4[size]
+
+    def _rotate_r4(self, block: nn.Module) -> int:
+        """Each dense ``down_proj``'s columns times ``I ⊗ Q_b`` (a column operation: rows stay where they
+        are) and its input rotated the same way by a pre-hook run before any other; the Linears rotated."""
+        n = 0
+        for name, m in block.named_modules():
+            if not (isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] == "down_proj"):
+                continue
+            qb = self._r4_block(m.in_features)
+            _map_local(m.weight, lambda w: blockwise(w, qb))
+            qd = qb.float().to(self.device)
+            m.register_forward_pre_hook(lambda _m, args, qd=qd: (blockwise(args[0], qd), *args[1:]), prepend=True)
+            n += 1
+        return n
+
+    def online_tensors(self, name: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """``{"R4_input.weight": sqrt(b) Q_b}`` (exact ±1, ``dtype``) for an R4-rotated Linear ``name``, else ``{}``."""
+        if ("r4" not in self.kinds or not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] != "down_proj"
+                or module.in_features not in self.r4):
+            return {}
+        qb = self.r4[module.in_features]
+        return {f"{R4_GROUP}_input.weight": (qb * qb.shape[0] ** 0.5).round().to(dtype)}
+
+    def transform_config(self, targets: list[str]) -> dict | None:
+        """compressed-tensors' ``TransformConfig`` fields for R4 over ``targets`` (the checkpoint names of
+        :func:`r4_modules`), or None without R4.  ``head_dim`` is the block (None: the whole input)."""
+        if "r4" not in self.kinds:
+            return None
+        apply = [{"targets": list(targets), "location": "input"},
+                 {"targets": list(targets), "location": "weight_input", "inverse": True}]
+        return {"config_groups": {R4_GROUP: {"type": "random-hadamard", "apply": apply, "randomize": False,
+                                              "requires_grad": False, "head_dim": self.size}}}
+
     def _check(self, err: float, what: str, kind: str = "r1") -> float:
         t = torch.tensor([err], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same verdict on every rank
         err = float(t)
         if not err <= TOLERANCE:
             why = ("an elementwise gate or norm on the attention heads' values" if kind == "r2" else
+                   "a down_proj whose input is used by another module too" if kind == "r4" else
                    "a norm that is not a root-mean-square one, a per-channel residual scale, or a module reading "
                    "the stream another way")
             raise SqError(f"--rotate {kind}: {what} does not compute the same function after the rotation "

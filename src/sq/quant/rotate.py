@@ -6,7 +6,12 @@ outputs from ``W diag(g) Q`` on the rotated stream with the norm's scale set to 
 with ``Q``: it divides by a length ``Q`` keeps); a Linear that writes into the stream (``o_proj``,
 ``down_proj``) writes rotated outputs with ``Q^T W`` (and ``Q^T b``).  Per attention head, ``v_proj``'s
 rows of each head take ``H^T`` and ``o_proj``'s columns of each head ``H``: the attention mixes a head's
-values by scalars, which commute with ``H``.  Nothing is left to do at serving time.
+values by scalars, which commute with ``H``.  Nothing is left to do at serving time for those.
+
+R4 is the one online rotation: ``down_proj``'s input ``x`` (the MLP's intermediate activations) becomes
+``x Q`` at run time and its weight ``W Q`` offline, so that ``(x Q)(W Q)^T = x W^T``.  ``Q`` is
+block-diagonal with one ``b x b`` block ``diag(s) H_b / sqrt(b)`` repeated (``online_hadamard``): the
+form compressed-tensors' ``transform_config`` describes (``head_dim = b``) and vLLM applies.
 
 ``orthogonal(n, seed)`` is a randomized Hadamard matrix ``diag(s) H / sqrt(n)`` where a Hadamard
 matrix of order ``n`` can be built here (Sylvester's powers of two, Paley's constructions for primes,
@@ -22,10 +27,12 @@ import math
 
 import torch
 
-__all__ = ["ROTATIONS", "hadamard", "orthogonal", "rotate_input", "rotate_output", "rotate_head_rows", "rotate_head_columns"]
+__all__ = ["ROTATIONS", "hadamard", "orthogonal", "online_hadamard", "rotate_input", "rotate_output",
+           "rotate_head_rows", "rotate_head_columns"]
 
 
-ROTATIONS = ("r1", "r2")  # --rotate words: the residual stream (R1), each attention head's values (R2)
+# --rotate words: the residual stream (R1), each attention head's values (R2), down_proj's input online (R4)
+ROTATIONS = ("r1", "r2", "r4")
 
 
 def _is_prime(q: int) -> bool:
@@ -113,6 +120,22 @@ def orthogonal(n: int, seed: int, block: int | None = None) -> tuple[torch.Tenso
     q, r = torch.linalg.qr(a)
     q = q * torch.sign(torch.diagonal(r))[None, :]
     return torch.kron(torch.eye(n // b, dtype=torch.float64), q), "random"
+
+
+def online_hadamard(n: int, seed: int, block: int | None = None) -> torch.Tensor | None:
+    """The ``b x b`` block (``b = block or n``, float64, orthogonal) of an online rotation over ``n``
+    channels: ``diag(s) H_b / sqrt(b)`` with random signs ``s``, or None where no Hadamard matrix of order
+    ``b`` is built here.  Its entries are ``±1 / sqrt(b)``: ``sqrt(b)`` times it is exact in any float
+    dtype, which is what a checkpoint stores (compressed-tensors' transform weights are unnormalized)."""
+    b = n if block is None else block
+    if n % b:
+        raise ValueError(f"rotation block {b} does not divide {n}")
+    h = hadamard(b)
+    if h is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (b,), generator=g).double() * 2 - 1
+    return signs[:, None] * h / math.sqrt(b)
 
 
 def _work(w: torch.Tensor) -> torch.dtype:

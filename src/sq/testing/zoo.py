@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from sq.synthetic import build_checkpoint
+from sq.formats.transforms import apply_online_transforms, transform_groups
 
 # sizes every family shares: distinct widths, so a transposed tensor fails a shape check
 _BASE = dict(
@@ -238,7 +239,13 @@ def _load(path: Path, *, state_dict=None):
     cfg = AutoConfig.from_pretrained(path)
     archs = getattr(cfg, "architectures", None) or []
     auto = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in archs) else AutoModelForCausalLM
-    return auto.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    model, info = auto.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    # online transforms (--rotate r4): transformers leaves their stored matrices unused; sq hooks them on
+    groups = transform_groups(json.loads((Path(path) / "config.json").read_text()))
+    if apply_online_transforms(model, path):
+        info["unexpected_keys"] = {k for k in info.get("unexpected_keys") or ()
+                                   if not any(k.endswith(f".{g}_input.weight") for g in groups)}
+    return model, info
 
 
 def _logits(model, vocab: int) -> torch.Tensor:
@@ -332,7 +339,7 @@ def check_rotated(src: Path, out: Path, *, max_rel: float = 0.05, max_proof: flo
     missing or unexpected keys, and its logits are the source's within ``max_rel`` (relative, Frobenius:
     W8A16's own error on these models is ~1e-2; a misread layout's ~1)."""
     rot = json.loads((Path(out) / "sq_report.json").read_text())["rotation"]
-    proofs = {"root": rot["root"]["error"], **{k: v["error"] for k, v in rot["blocks"].items()}}
+    proofs = {**({"root": rot["root"]["error"]} if "root" in rot else {}), **{k: v["error"] for k, v in rot["blocks"].items()}}
     worst = max(proofs, key=proofs.get)
     if proofs[worst] > max_proof:
         raise AssertionError(f"{out}: the rotation's proof on {worst} is {proofs[worst]:.3g} off")
