@@ -62,7 +62,8 @@ SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w
 # --rotate r1,r2[,r4] (issue 36): beside RTN / GPTQ / GPTAQ at 4, 3 and 2 bits, and the W4A4 float formats
 ROTATE = ("rtnrot_w2", "gptqrot_w2", "gptaqrot_w2", "gptq3rot_w2", "gptq2rot_w2", "gptaq2rot_w2",
           "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2",
-          "nvgptaq_w2", "sr4rot_w2", "mxgptaqrot4b32_w2", "nvgptaqr4b16_w2")
+          "nvgptaq_w2", "sr4rot_w2", "mxgptaqrot4b32_w2", "nvgptaqr4b16_w2", "nvgptaqserved_w2", "nvgptqserved_w2", "nvgptq_w2", "nvgptaq05served_w2", "nvgptaqrot4b16served_w2",
+          "mxgptaqrot4b32served_w2")
 ROTATE += tuple(f"eval_{r}" for r in ROTATE)
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH, *ROTATE)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
@@ -100,6 +101,14 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "nvgptaq": ("gptaq", ["--scheme", "NVFP4"]),
     "mxgptaqrot4b32": ("gptaq", ["--scheme", "MXFP4", "--rotate", "r1,r2,r4", "--rotate-block", "32"]),
     "nvgptaqr4b16": ("gptaq", ["--scheme", "NVFP4", "--rotate", "r4", "--rotate-block", "16"]),
+    "nvgptaqserved": ("gptaq", ["--scheme", "NVFP4", "--served-activations"]),
+    "nvgptqserved": ("gptq", ["--scheme", "NVFP4", "--served-activations"]),
+    "nvgptq": ("gptq", ["--scheme", "NVFP4"]),
+    "nvgptaqrot4b16served": ("gptaq", ["--scheme", "NVFP4", "--rotate", "r1,r2,r4", "--rotate-block", "16",
+                                       "--served-activations"]),
+    "nvgptaq05served": ("gptaq", ["--scheme", "NVFP4", "--served-activations", "--gptaq-alpha", "0.5"]),
+    "mxgptaqrot4b32served": ("gptaq", ["--scheme", "MXFP4", "--rotate", "r1,r2,r4", "--rotate-block", "32",
+                                       "--served-activations"]),
     "sr4rot": ("signround", ["--iters", "50", "--rotate", "r1,r2"]),
 }
 PEERS = [  # measured on this benchmark (DESIGN.md), W4 symmetric group 64

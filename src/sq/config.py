@@ -62,6 +62,8 @@ class PTQConfig:
     # offline rotations fused into the weights before the algorithm (sq.pipeline.rotation): r1, r2
     rotate: tuple[str, ...] = ()
     rotate_block: int | None = None  # None: one rotation over the whole hidden size (head size for r2)
+    # GPTQ's quantized chain rounds each Linear's input as served (sq.quant.served)
+    served_activations: bool = False
     preflight: bool = True  # refuse a job whose predicted disk need exceeds the free space (sq.pipeline.disk)
 
     @classmethod

@@ -118,6 +118,11 @@ def build_parser() -> ArgParser:
                    help="block-diagonal rotations over groups of N channels (a divisor of the hidden size, head "
                         "size and, for r4, down_proj's input size) instead of one over all of them: with a format whose scales cover groups of N "
                         "(MXFP4 32, NVFP4 16), an outlier then spreads only within its own group (default: whole)")
+    p.add_argument("--served-activations", action="store_true",
+                   help="GPTQ / GPTAQ with a scheme that quantizes activations (NVFP4, MXFP4, W8A8, FP8, ...): "
+                        "the quantized chain rounds each Linear's input as the serving engine will, in the "
+                        "Hessians and in the inputs carried to the next block (default: float activations in "
+                        "calibration, as llm-compressor)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
@@ -163,7 +168,7 @@ def config_from(a: argparse.Namespace):
                      int_grid=a.int_grid, target_bits=a.target_bits, search_score=a.search_score,
                      candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
                      rotate=tuple(r.strip().lower() for r in a.rotate.split(",") if r.strip()),
-                     rotate_block=a.rotate_block, preflight=a.preflight,
+                     rotate_block=a.rotate_block, preflight=a.preflight, served_activations=a.served_activations,
                      fault=os.environ.get("SQ_FAULT"))
 
 

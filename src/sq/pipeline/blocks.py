@@ -69,7 +69,8 @@ from sq.probe import Choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
-from sq.pipeline.rotation import Rotation, r4_modules, rotation_problems
+from sq.pipeline.rotation import Rotation, rotation_problems
+from sq.quant.served import ServedActivations, served_activations_problems
 from sq.pipeline.disk import written_bytes
 from sq.pipeline.preflight import disk_preflight, memory_preflight, time_preflight
 
@@ -160,6 +161,7 @@ class _Pipeline:
         problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
         problems += search_problems(cfg, self.model, self.algo, self.targets, self.world, cost_dtype(self.weight_dtype))
         problems += rotation_problems(cfg, self.weights.in_memory, self.model)
+        problems += served_activations_problems(cfg, self.targets)
         if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
             problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
                             "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
@@ -244,7 +246,8 @@ class _Pipeline:
         work = BlockWork(b, prefix, block, self.targets.linears[b], self.targets.experts[b], self.inputs,
                          self.fp_inputs, self.steps, self.dummy, self.device, self.rank, self.world,
                          self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts,
-                         weight_dtype=self.weight_dtype, autocast=self.autocast)
+                         weight_dtype=self.weight_dtype, autocast=self.autocast,
+                         served_activations=self.cfg.served_activations)
         self._reduce(work)
         t = time.perf_counter()
         observed_out = None
@@ -394,9 +397,11 @@ class _Pipeline:
         llm-compressor calibrates activations for round-to-nearest); the algorithm's own
         (AWQ's full-precision chain) where it computed them."""
         outs = self.algo.next_inputs(work)
-        if outs is None:
-            outs = observed_out if not self.algo.calibrated else block_forward(work.block, self.inputs, self.steps,
-                                                                                self.dummy, autocast=self.autocast)
+        if outs is None and not self.algo.calibrated:
+            outs = observed_out
+        elif outs is None:
+            with ServedActivations(work.linears if work.served_activations else [], work.acts.absmax):
+                outs = block_forward(work.block, self.inputs, self.steps, self.dummy, autocast=self.autocast)
         self.inputs = [(y, kw) for y, (_, kw) in zip(outs, self.inputs)]
         if self.algo.fp_chain:
             self.fp_inputs = [(y, kw) for y, (_, kw) in zip(work.fp_out, self.fp_inputs)]
@@ -432,9 +437,8 @@ class _Pipeline:
             for attn, scales in work.acts.kv.items():
                 tensors.update({self._ckpt_module(attn) + k: v for k, v in scales.items()})
         if rank == 0 and self.rotation is not None:  # online rotations' matrices (R4), beside their Linears
-            for name, m in work.block.named_modules():
-                for rel, v in self.rotation.online_tensors(name, m, self.weight_dtype).items():
-                    tensors[self._ckpt_module(f"{work.prefix}.{name}") + rel] = v
+            tensors.update({self._ckpt_module(f"{work.prefix}.{n}") + rel: v
+                            for n, rel, v in self.rotation.online_tensors(work.block, self.weight_dtype)})
         skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in EXPERT_PARAMS}
         params = dict(self.model.named_parameters())
         for n in names:
@@ -496,8 +500,7 @@ class _Pipeline:
             report = self._report(all_mine, start)
             unquantized = sorted({*self.targets.unquantized, *self.run.skipped})
             config = weights.config if self.rotation is None else self.rotation.config(weights.config)
-            transforms = None if self.rotation is None else self.rotation.transform_config(
-                [self._ckpt_module(n).removesuffix(".") for n, _ in r4_modules(self.model)])
+            transforms = None if self.rotation is None else self.rotation.transform_config(self._ckpt_module)
             self.run.write_final(config, config_groups(self.targets, weights), unquantized, report,
                                  all_frags, lambda: weights.write_side_files(self.out),
                                  kv_cache=kv_cache_args(self.cfg.kv_cache), before_index=lambda: _summary(report, self.out),

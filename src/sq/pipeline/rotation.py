@@ -463,19 +463,21 @@ class Rotation:
             n += 1
         return n
 
-    def online_tensors(self, name: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """``{"R4_input.weight": sqrt(b) Q_b}`` (exact ±1, ``dtype``) for an R4-rotated Linear ``name``, else ``{}``."""
-        if ("r4" not in self.kinds or not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] != "down_proj"
-                or module.in_features not in self.r4):
-            return {}
-        qb = self.r4[module.in_features]
-        return {f"{R4_GROUP}_input.weight": (qb * qb.shape[0] ** 0.5).round().to(dtype)}
+    def online_tensors(self, block: nn.Module, dtype: torch.dtype) -> list[tuple[str, str, torch.Tensor]]:
+        """``(module name in block, "R4_input.weight", sqrt(b) Q_b)`` (exact ±1, ``dtype``) per R4-rotated Linear."""
+        if "r4" not in self.kinds:
+            return []
+        return [(n, f"{R4_GROUP}_input.weight", (self.r4[m.in_features] * self.r4[m.in_features].shape[0] ** 0.5)
+                 .round().to(dtype)) for n, m in block.named_modules()
+                if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] == "down_proj" and m.in_features in self.r4]
 
-    def transform_config(self, targets: list[str]) -> dict | None:
-        """compressed-tensors' ``TransformConfig`` fields for R4 over ``targets`` (the checkpoint names of
-        :func:`r4_modules`), or None without R4.  ``head_dim`` is the block (None: the whole input)."""
+    def transform_config(self, ckpt_module) -> dict | None:
+        """compressed-tensors' ``TransformConfig`` fields for R4 over :func:`r4_modules` (named in the checkpoint
+        by ``ckpt_module(name)``, ``"...down_proj."``), or None without R4.  ``head_dim`` is the block (None:
+        the whole input)."""
         if "r4" not in self.kinds:
             return None
+        targets = [ckpt_module(n).removesuffix(".") for n, _ in r4_modules(self.model)]
         apply = [{"targets": list(targets), "location": "input"},
                  {"targets": list(targets), "location": "weight_input", "inverse": True}]
         return {"config_groups": {R4_GROUP: {"type": "random-hadamard", "apply": apply, "randomize": False,

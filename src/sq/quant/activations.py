@@ -187,6 +187,7 @@ class ActivationObservation:
         out = ObservedScales()
         for n, lin in self.linears.items():
             out.linears[n] = {o.name: o.finalize(self.dense[n], dtype) for o in activation_observers(lin.scheme)}
+            out.absmax[n] = self.dense[n]
         for eprefix, scheme, c in self.experts:
             obs = activation_observers(scheme)
             for e in c.mine:

@@ -49,6 +49,7 @@ class ObservedScales:
     linears: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     experts: dict[tuple[str, int, str], dict[str, torch.Tensor]] = field(default_factory=dict)
     kv: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # dense Linear name -> its input's absmax
 
 
 @dataclass
@@ -110,6 +111,7 @@ class BlockWork:
     expert_stats: dict[tuple[str, str], list] = field(default_factory=dict)
     row_offset: dict[str, int] = field(default_factory=dict)  # dense weight name -> this rank's first row
     acts: ObservedScales = field(default_factory=ObservedScales)
+    served_activations: bool = False  # --served-activations (sq.quant.served): GPTQ's quantized chain rounds inputs
     state: dict = field(default_factory=dict)
 
 

@@ -19,6 +19,7 @@ from sq.quant.rtn import rtn_rows
 from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.experts import ExpertCalibration, local_experts
 from sq.quant.forward import InputLeaders, block_forward, paired_forward
+from sq.quant.served import ServedActivations
 from sq.formats import primitives
 from sq.formats.specs import spec_for
 from sq.quant.experts import whole_rows_stats
@@ -170,6 +171,9 @@ class GPTQAlgorithm(Algorithm):
                             last=None if last is None else work.prefix + last)
         calibs = [ExpertCalibration(ex, work.calibrate_all_experts, work.device, paired=self.pairs_chains)
                   for _, ex, _ in work.experts]
+        # --served-activations: the quantized chain's inputs rounded as served (GPTAQ's fp pass is not)
+        served = ServedActivations(work.linears if work.served_activations else [], work.acts.absmax,
+                                   active=lambda: not counting.capturing)
         if self.pairs_chains:
             work.fp_out = paired_forward(work.block, work.fp_inputs, work.inputs, work.steps, work.dummy,
                                          counters=[counting, *calibs], autocast=work.autocast)
@@ -179,6 +183,7 @@ class GPTQAlgorithm(Algorithm):
         if counting.learned is not None:
             self._last_linear[kind] = counting.learned[len(work.prefix):]
         counting.remove()
+        served.remove()
         for c in calibs:
             c.remove()
         counting.all_reduce()
