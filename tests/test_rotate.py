@@ -242,14 +242,20 @@ def test_r4_killed_and_resumed_bit_identical(checkpoints, tmp_path):
     ([{"targets": ["re:.*q_proj$"], "location": "q_attn"}], False, "(location q_attn)"),
     ([{"targets": ["re:.*down_proj$"], "location": "input"}], True, "randomize (a matrix per module)"),
     ([{"targets": ["re:.*down_proj$"], "location": "input"}], False, "no *.R4_input.weight tensor is stored"),
+    ([{"targets": ["re:.*down_proj$"], "location": "input"}], False, "match no module of the loaded Linear"),
+    ([{"targets": ["re:.*"], "location": "input"}], False, "not a square block of"),
 ])
 def test_an_online_transform_sq_cannot_apply_is_refused(tmp_path, apply, randomize, words):
     """A checkpoint whose transform_config sq cannot apply is one SqError, never a model loaded without it."""
     from sq.errors import SqError
     from sq.formats.transforms import apply_online_transforms
 
+    from safetensors.torch import save_file
+
     tc = {"config_groups": {"R4": {"type": "hadamard", "apply": apply, "randomize": randomize}}}
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"transform_config": tc}}))
+    if "stored" not in words:  # the matrix present: the refusal is about something else
+        save_file({"x.R4_input.weight": torch.ones(3, 3)}, tmp_path / "model.safetensors")
     with pytest.raises(SqError, match=re.escape(words)):
         apply_online_transforms(torch.nn.Linear(4, 4), tmp_path)
 

@@ -90,10 +90,16 @@ def apply_online_transforms(model: nn.Module, source) -> int:
         shared = next(iter(stored.values()))
         for args in online:
             inverse = bool(args.get("inverse"))
-            for name, module in match_named_modules(model, args["targets"], args.get("ignore") or []):
+            matched = list(match_named_modules(model, args["targets"], args.get("ignore") or []))
+            if not matched:
+                raise SqError(f"{root}: transform_config group {group!r} targets {args['targets'][:3]} match no "
+                              f"module of the loaded {type(model).__name__}")
+            for name, module in matched:
                 h = stored.get(f"{name}.{group}_input.weight", shared).double()
-                if h.dim() != 2 or h.shape[0] != h.shape[1]:
-                    raise SqError(f"{root}: {name}.{group}_input.weight has shape {tuple(h.shape)}, not square")
+                width = getattr(module, "in_features", None)
+                if h.dim() != 2 or h.shape[0] != h.shape[1] or (width is not None and width % h.shape[0]):
+                    raise SqError(f"{root}: {name}.{group}_input.weight has shape {tuple(h.shape)}: not a square "
+                                  f"block of {name}'s input width {width}")
                 q = (h.T if inverse else h) / math.sqrt(h.shape[0])
                 q = q.to(torch.float32)
                 module.register_forward_pre_hook(lambda _m, a, q=q: (blockwise(a[0], q), *a[1:]), prepend=True)
