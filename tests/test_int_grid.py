@@ -165,12 +165,12 @@ def test_a_reported_error_never_goes_negative_in_bf16():
     0.99609375, 0.98828125) and an error along its weak direction then comes out negative (a GPTQ run of
     SmolLM2 on the full-range grid stopped on math.sqrt of one): such a term is computed again in
     float32."""
-    from sq.pipeline.blocks import _err_terms
+    from sq.quant.work import err_terms
 
     H = torch.tensor([[1.0, 0.9945], [0.9945, 0.99]], dtype=torch.float64)
     w = torch.tensor([[0.5, 0.5]])
     e = torch.tensor([[0.25, -0.25]])
-    num, den = _err_terms(w, [w - e], H, {}, torch.bfloat16)
+    num, den = err_terms(w, [w - e], H, {}, torch.bfloat16)
     want = float(e.double() @ H @ e.double().T)
     assert num == pytest.approx(want, rel=1e-3) and num > 0
     assert den == pytest.approx(float(w.double() @ H @ w.double().T), rel=1e-2)

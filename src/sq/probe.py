@@ -32,7 +32,7 @@ from sq.files import default_cache_dir, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Choice", "calib_dtype_choice", "machine", "time_linears"]
+__all__ = ["Choice", "attention_chunk_choice", "attention_probe_file", "calib_dtype_choice", "machine", "time_attention", "time_linears"]
 
 # CPU flags recorded beside a run's timings (docs/benchmarks.md names machines by them); never a rule
 _RECORDED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "fma")
@@ -52,6 +52,9 @@ class Choice:
     seconds: dict[str, float] = field(default_factory=dict)  # averaged over ranks, by dtype name
     # mixed: the half dtype torch.autocast runs the block's matmuls and attention in (dtype is float32)
     autocast: torch.dtype | None = None
+    # causal attention in query chunks of this many (sq.quant.attention), or one call; the probe's record
+    attn_chunk: int | None = None
+    attn: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -61,6 +64,8 @@ class Choice:
         out = {"calib_dtype": self.name, "why": self.why, "seconds": self.seconds}
         if self.autocast is not None:
             out["autocast"] = str(self.autocast).removeprefix("torch.")
+        if self.attn:
+            out["attention"] = {"chunk": self.attn_chunk, **self.attn}
         return out
 
 
@@ -120,20 +125,37 @@ def _cache_file(shapes, dtype: torch.dtype, device: torch.device):
     return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-def _read_cache(path) -> list[float] | None:
+def _read_cache(path, keys=("half", "float32")) -> list[float] | None:
     try:
         cached = json.loads(path.read_text())
-        return [float(cached[k]) for k in ("half", "float32")]
+        return [float(cached[k]) for k in keys]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _write_cache(path, secs: list[float]) -> None:
+def _write_cache(path, secs: list[float], keys=("half", "float32")) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, json.dumps(dict(zip(("half", "float32"), secs))).encode())
+        write_bytes_atomic(path, json.dumps(dict(zip(keys, secs))).encode())
     except OSError as e:  # a read-only cache: measured again next time, same choice rule
         logger.debug("probe cache not written (%s)", e)
+
+
+def _agreed(path, keys, measure) -> tuple[list[float], bool]:
+    """Seconds by ``keys``: from the cache at ``path`` or ``measure()``d; averaged over every rank (one
+    all-reduce: every rank then chooses the same), then cached.  Collective: call on every rank."""
+    secs = _read_cache(path, keys)
+    cached = secs is not None
+    if secs is None:
+        secs = measure()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        t = torch.tensor(secs, dtype=torch.float64)
+        dist.all_reduce(t)
+        secs = (t / world).tolist()
+    if not cached and (not dist.is_initialized() or dist.get_rank() == 0):
+        _write_cache(path, secs, keys)  # the agreed times: a later job on this machine makes this same choice
+    return secs, cached
 
 
 def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype: torch.dtype | None,
@@ -159,19 +181,8 @@ def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype:
         return take(half, "gpu")
     if not halved or not shapes:
         return Choice(None, "float32 model")
-    path = _cache_file(shapes, model_dtype, device)
-    secs = _read_cache(path)
-    cached = secs is not None
-    if secs is None:
-        secs = [time_linears(shapes, d, device) for d in (model_dtype, torch.float32)]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:  # every rank's times averaged: one choice everywhere
-        t = torch.tensor(secs, dtype=torch.float64)
-        dist.all_reduce(t)
-        secs = (t / world).tolist()
-    if not cached and (not dist.is_initialized() or dist.get_rank() == 0):
-        _write_cache(path, secs)  # the agreed times: a later job on this machine makes this same choice
-    t_half, t_full = secs
+    (t_half, t_full), cached = _agreed(_cache_file(shapes, model_dtype, device), ("half", "float32"),
+                                       lambda: [time_linears(shapes, d, device) for d in (model_dtype, torch.float32)])
     choice = take(half if t_half * MARGIN < t_full else "float32", "probe")
     choice.seconds = {str(model_dtype).removeprefix("torch."): round(t_half, 6), "float32": round(t_full, 6)}
     logger.info("--calib-dtype auto: %s (a probe of %d Linear shapes x %d tokens: %s %.1f ms, float32 %.1f ms%s)",
@@ -179,3 +190,68 @@ def calib_dtype_choice(setting: str, shapes: list[tuple[int, int]], model_dtype:
                 PROBE_TOKENS, str(model_dtype).removeprefix("torch."), t_half * 1e3, t_full * 1e3,
                 ", cached" if cached else "")
     return choice
+
+
+# query chunks the attention probe tries (sq.quant.attention); a chunk is tried where 4 of them fit
+ATTN_CHUNKS = (32, 64, 128, 256)
+ATTN_PROBE_HEADS = 4  # heads in the probe's attention: the time per head is what is compared
+ATTN_PROBE_TOKENS = 1024  # a longer window is probed at this length (longer ones gain more from chunks)
+
+
+def time_attention(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device,
+                   chunk: int | None, repeats: int = 2) -> float:
+    """Seconds for causal attention over ``tokens`` in ``heads`` heads of ``head_dim``: one call with
+    ``is_causal``, or one per query chunk of ``chunk`` over the keys it can see (the best of ``repeats``
+    passes after an untimed one)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads, tokens, head_dim, generator=g, device=device).to(dtype)
+    pos = torch.arange(tokens, device=device)
+    F = torch.nn.functional
+    best = float("inf")
+    for r in range(repeats + 1):
+        t = time.perf_counter()
+        if chunk is None:
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        else:
+            for s in range(0, tokens, chunk):
+                e = min(tokens, s + chunk)
+                F.scaled_dot_product_attention(q[:, :, s:e], q[:, :, :e], q[:, :, :e],
+                                               attn_mask=pos[s:e, None] >= pos[None, :e])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if r:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def attention_probe_file(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device):
+    """Where the attention probe's seconds for this shape are kept (``{"none": s, "<chunk>": s, ...}``):
+    one per machine and shape, whatever the thread count, so every job of a shape here chooses alike."""
+    key = json.dumps({"attention": [min(heads, ATTN_PROBE_HEADS), head_dim, min(tokens, ATTN_PROBE_TOKENS)],
+                      "dtype": str(dtype), "torch": torch.__version__, "machine": _processor(),
+                      "node": platform.node(), "device": str(device.type)})
+    return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def attention_chunk_choice(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device,
+                           recorded: int | None = None) -> tuple[int | None, dict]:
+    """Query chunk for the calibration forwards' causal attention (``sq.quant.attention``), or None (one
+    call); with the probe's seconds.  ``recorded``: the chunk a run of this job recorded (0: none), taken
+    as it is.  Measured on CPU only (GPU kernels skip the masked blocks themselves); a chunk must beat one
+    call by ``MARGIN``.  Collective where it measures: call on every rank."""
+    if recorded is not None:
+        return recorded or None, {"why": "recorded"}
+    chunks = [c for c in ATTN_CHUNKS if 4 * c <= tokens]
+    if device.type != "cpu" or not chunks or heads < 1 or head_dim < 1:
+        return None, {}
+    n, h = min(tokens, ATTN_PROBE_TOKENS), min(heads, ATTN_PROBE_HEADS)
+    keys = ["none", *map(str, chunks)]
+    secs, cached = _agreed(attention_probe_file(heads, head_dim, tokens, dtype, device), keys,
+                           lambda: [time_attention(h, head_dim, n, dtype, device, None if c == "none" else int(c))
+                                    for c in keys])
+    best = min(range(1, len(keys)), key=lambda i: secs[i])
+    chunk = chunks[best - 1] if secs[best] * MARGIN < secs[0] else None
+    logger.info("causal attention: %s (a probe of %d heads x %d tokens: %s%s)",
+                f"in query chunks of {chunk}" if chunk else "one call", h, n,
+                ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in zip(keys, secs)), ", cached" if cached else "")
+    return chunk, {"why": "probe", "seconds": {k: round(t, 6) for k, t in zip(keys, secs)}}

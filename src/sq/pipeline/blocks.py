@@ -50,9 +50,10 @@ from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
 from sq.quant import rtn
 from sq.quant.activations import ActivationObservation, kv_cache_args
+from sq.quant.attention import attention_shape, use_sdpa
 from sq.quant.algorithms import make_algorithm
 from sq.quant.rtn import rtn_rows
-from sq.quant.work import BlockWork, Solved
+from sq.quant.work import BlockWork, Solved, err_terms
 from sq.quant.experts import (
     SlotStats,
     export_experts,
@@ -65,7 +66,7 @@ from sq.quant.experts import (
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
-from sq.probe import Choice, calib_dtype_choice, machine
+from sq.probe import Choice, attention_chunk_choice, calib_dtype_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
@@ -85,32 +86,6 @@ def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weig
     return signature(source=weights.identity(), args=cfg.signature_args(calibrated=calibrated),
                      algorithm=cfg.algo.signature(), schemes=assigner.to_dict(), assignment=targets.assignment,
                      world=world, blocks=[p for p, _ in targets.blocks], **({"dataset": data} if calibrated else {}))
-
-
-def _err_terms(w: torch.Tensor, deqs: list[torch.Tensor], H: torch.Tensor | None,
-               h_cast: dict[tuple, torch.Tensor], dtype: torch.dtype = torch.float32) -> list[float]:
-    """``[num, den] * len(deqs)``: each dequantization's squared error and the weight's squared norm,
-    through ``H`` when given (else in weight space), for this rank's rows.  A report's number: the
-    stacked ``[w; w - deq...]`` rows in ``dtype`` (bf16 where the forwards are: ``w - deq`` of two
-    nearby bf16 values is mostly exact), one product with ``H`` (cast once per Hessian into
-    ``h_cast``, shared by the Linears that share it), each row's quadratic form summed in float32,
-    the rows in float64 (gate/up's 1536 x 576 rows of a SmolLM2 rank: 6 ms, against 31 ms all in
-    float32; the same numbers to 4 digits).  A quadratic form that bf16's rounding leaves negative (an
-    error small against H's large entries: seen on SmolLM2 under the full-range grid) is computed
-    again in float32."""
-    wd = w.to(dtype)
-    a = torch.cat([wd, *(wd - d.to(dtype) for d in deqs)])
-    if H is not None:
-        hc = h_cast.get((id(H), dtype))
-        if hc is None:
-            hc = h_cast[(id(H), dtype)] = H.to(dtype)
-        b = a @ hc
-    else:
-        b = a
-    parts = (b * a).sum(dim=1, dtype=torch.float32).view(1 + len(deqs), -1).sum(dim=1, dtype=torch.float64).tolist()
-    if dtype != torch.float32 and min(parts) < 0:
-        return _err_terms(w, deqs, H, h_cast, torch.float32)
-    return [x for num in parts[1:] for x in (num, parts[0])]
 
 
 @dataclass
@@ -168,8 +143,9 @@ class _Pipeline:
         if self.calibrated and self.parallelize is not None:
             self.choice = self._calib_dtype()
         sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
-        if self.calibrated:  # the dtype the forwards actually compute in, resolved
+        if self.calibrated:  # what the forwards actually compute in, resolved
             sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
+            sig["args"]["attn_chunk"] = (self.choice.attn_chunk if self.choice is not None else None) or 0
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         if cfg.preflight and not problems:  # a job refused already is not sized (its schemes may not apply)
             for check, part in ((memory_preflight, "memory"), (disk_preflight, "disk")):
@@ -190,14 +166,18 @@ class _Pipeline:
         return self.choice.autocast if self.choice is not None else None
 
     def _calib_dtype(self) -> Choice:
-        """``--calib-dtype``: as given, the one this folder's run recorded, or measured (``sq.probe``)."""
-        recorded = None
-        if self.cfg.calib_dtype == "auto" and self.cfg.resume != "never":
-            sig = self.run.recorded_signature()
-            recorded = ((sig or {}).get("args") or {}).get("calib_dtype")
-            recorded = recorded if recorded in ("float32", "model", "mixed") else None
-        return calib_dtype_choice(self.cfg.calib_dtype, self.targets.linear_shapes(3), self.weight_dtype, self.device,
-                                  recorded=recorded, half=self.algo.half_forwards)
+        """``--calib-dtype`` and the attention's query chunks: as given, as this folder's run recorded them, or
+        measured (``sq.probe``)."""
+        args = (self.run.recorded_signature() or {}).get("args") or {} if self.cfg.resume != "never" else {}
+        recorded = args.get("calib_dtype") if self.cfg.calib_dtype == "auto" else None
+        choice = calib_dtype_choice(self.cfg.calib_dtype, self.targets.linear_shapes(3), self.weight_dtype,
+                                    self.device, recorded=recorded if recorded in ("float32", "model", "mixed") else None,
+                                    half=self.algo.half_forwards)
+        chunk = args.get("attn_chunk")
+        choice.attn_chunk, choice.attn = attention_chunk_choice(
+            *attention_shape(self.model), self.cfg.seqlen, choice.autocast or choice.dtype or self.weight_dtype
+            or torch.float32, self.device, recorded=chunk if isinstance(chunk, int) else None)
+        return choice
 
     def restart_point(self) -> int:
         """The largest block every rank can restart from; keeps the manifests' blocks before it."""
@@ -361,7 +341,7 @@ class _Pipeline:
             deqs = [s.deq]
             if compare:  # RTN on the same rows (and the same H), for comparison in the report
                 deqs.append(rtn_rows(w, lin.scheme, work.linear_stats.get(lin.name), work.row_offset.get(lin.name, 0)).deq)
-            terms = _err_terms(w, deqs, s.H, h_cast, err_dtype)
+            terms = err_terms(w, deqs, s.H, h_cast, err_dtype)
             local.copy_(s.deq)
             results[lin.name] = (s, terms)
         expert_q = {}
@@ -563,10 +543,7 @@ def _run_blocks(p: _Pipeline) -> dict:
     n_blocks = len(p.targets.blocks)
     logger.info("quantizing %s -> %s on %d rank(s): %d Linears, %d expert groups", weights.describe(), p.out,
                 p.world, sum(len(ls) for ls in p.targets.linears), sum(len(es) for es in p.targets.experts))
-    try:
-        model.set_attn_implementation("sdpa")  # None mask == causal, no padding in calibration windows
-    except Exception:  # noqa: BLE001 - older transformers: keep the default
-        pass
+    use_sdpa(model, p.choice.attn_chunk if p.choice is not None else None)
     start = p.restart_point()
     if parallelize is not None:
         parallelize(p.compute_dtype)

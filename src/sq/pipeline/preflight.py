@@ -6,6 +6,7 @@ stops all of them (``sq.run.Run.claim`` agrees on the problems); the numbers go 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -125,6 +126,10 @@ def _time_preflight(p) -> dict:
                           dtype=p.autocast or dtype,  # (mixed: the matmuls run in the half dtype)
                           weight_dtype=p.weight_dtype, device=p.device, src=getattr(p.weights, "src", None), out_dir=p.out.parent,
                           local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    chunk = p.choice.attn_chunk if p.choice is not None else None
+    probed = p.choice.attn.get("seconds", {}) if chunk else {}
+    if str(chunk) in probed:  # attention in query chunks (sq.quant.attention): faster by the probe's ratio
+        rates = dataclasses.replace(rates, attention=rates.attention * probed["none"] / probed[str(chunk)])
     return job_times(p.model, p.targets, p.algo, rates=rates, world=p.world, ep=cfg.ep or 1,
                      plan=getattr(p.weights, "plan", None), nsamples=cfg.nsamples, seqlen=cfg.seqlen,
                      calibrated=p.calibrated, compute_dtype=dtype, weight_dtype=p.weight_dtype,

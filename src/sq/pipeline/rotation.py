@@ -46,7 +46,7 @@ from sq.quant.experts import full_expert_rows
 from sq.parallel.fsdp import unsharded
 from sq.quant.forward import block_kwargs, capture_block0
 from sq.formats.transforms import blockwise
-from sq.quant.rotate import (online_hadamard, orthogonal, rotate_head_columns, rotate_head_rows,
+from sq.quant.rotate import (hadamard, online_hadamard, orthogonal, rotate_head_columns, rotate_head_rows,
                              rotate_input, rotate_output)
 
 logger = logging.getLogger(__name__)
@@ -84,10 +84,14 @@ def rotation_problems(cfg, in_memory: bool, model: nn.Module) -> list[str]:
     return out
 
 
+def r4_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """R4's Linears in a decoder block: every ``nn.Linear`` named ``down_proj`` (names relative to the block)."""
+    return [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] == "down_proj"]
+
+
 def r4_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """R4's Linears: every ``nn.Linear`` named ``down_proj`` in a decoder block, in block order (full names)."""
-    return [(f"{prefix}.{n}", m) for prefix, block in decoder_blocks(model) for n, m in block.named_modules()
-            if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] == "down_proj"]
+    """:func:`r4_linears` of every decoder block, in block order (full names)."""
+    return [(f"{prefix}.{n}", m) for prefix, block in decoder_blocks(model) for n, m in r4_linears(block)]
 
 
 def _r4_problems(cfg, model: nn.Module) -> list[str]:
@@ -111,7 +115,7 @@ def _r4_problems(cfg, model: nn.Module) -> list[str]:
         b = cfg.rotate_block or size
         if size % b:
             out.append(f"--rotate-block {b} does not divide down_proj's input size {size} (r4)")
-        elif online_hadamard(size, cfg.seed, b) is None:
+        elif hadamard(b) is None:
             out.append(f"--rotate r4: no Hadamard matrix of order {b} is built here (down_proj's input size "
                        f"{size}); give --rotate-block with a power of two dividing it")
     return out
@@ -453,9 +457,7 @@ class Rotation:
         """Each dense ``down_proj``'s columns times ``I ⊗ Q_b`` (a column operation: rows stay where they
         are) and its input rotated the same way by a pre-hook run before any other; the Linears rotated."""
         n = 0
-        for name, m in block.named_modules():
-            if not (isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] == "down_proj"):
-                continue
+        for _, m in r4_linears(block):
             qb = self._r4_block(m.in_features)
             _map_local(m.weight, lambda w: blockwise(w, qb))
             qd = qb.float().to(self.device)
@@ -467,9 +469,12 @@ class Rotation:
         """``(module name in block, "R4_input.weight", sqrt(b) Q_b)`` (exact ±1, ``dtype``) per R4-rotated Linear."""
         if "r4" not in self.kinds:
             return []
-        return [(n, f"{R4_GROUP}_input.weight", (self.r4[m.in_features] * self.r4[m.in_features].shape[0] ** 0.5)
-                 .round().to(dtype)) for n, m in block.named_modules()
-                if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] == "down_proj" and m.in_features in self.r4]
+        out = []
+        for n, m in r4_linears(block):
+            qb = self.r4.get(m.in_features)
+            if qb is not None:
+                out.append((n, f"{R4_GROUP}_input.weight", (qb * qb.shape[0] ** 0.5).round().to(dtype)))
+        return out
 
     def transform_config(self, ckpt_module) -> dict | None:
         """compressed-tensors' ``TransformConfig`` fields for R4 over :func:`r4_modules` (named in the checkpoint

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from sq.quant.attention import sdpa
 from sq.quant.experts import ExpertCalibration
 from sq.quant.work import ObservedScales
 from sq.formats.specs import ActivationObserver, activation_observers
@@ -55,13 +56,12 @@ _WATCHED: dict[int, Callable] = {}  # id(attention module) -> recorder of (key, 
 
 
 def _observed_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, after handing the keys and values to the module's recorder (if watched)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """SDPA (the job's, ``sq.quant.attention``), after handing the keys and values to the module's recorder
+    (if watched)."""
     record = _WATCHED.get(id(module))
     if record is not None:
         record(key, value)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
 def _register_impl() -> None:

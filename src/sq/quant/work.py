@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from sq.formats.schemes import QuantScheme
 
-__all__ = ["Linear", "ExpertGroup", "ObservedScales", "BlockWork", "Solved", "Cost"]
+__all__ = ["Linear", "ExpertGroup", "ObservedScales", "BlockWork", "Solved", "Cost", "err_terms", "row_forms"]
 
 
 @dataclass
@@ -144,3 +144,48 @@ class Cost:
         return Cost(*(a * k for a in dataclasses.astuple(self)))
 
     __rmul__ = __mul__
+
+
+def err_terms(w: torch.Tensor, deqs: list[torch.Tensor], H: torch.Tensor | None,
+              h_cast: dict[tuple, torch.Tensor], dtype: torch.dtype = torch.float32) -> list[float]:
+    """``[num, den] * len(deqs)``: each dequantization's squared error and the weight's squared norm,
+    through ``H`` when given (else in weight space), for this rank's rows.  A report's number: the
+    stacked ``[w; w - deq...]`` rows in ``dtype`` (bf16 where the forwards are: ``w - deq`` of two
+    nearby bf16 values is mostly exact), one product with ``H`` (cast once per Hessian into
+    ``h_cast``, shared by the Linears that share it; ``row_forms``), each row's quadratic form summed in float32,
+    the rows in float64 (gate/up's 1536 x 576 rows of a SmolLM2 rank: 6 ms, against 31 ms all in
+    float32; the same numbers to 4 digits).  A quadratic form that bf16's rounding leaves negative (an
+    error small against H's large entries: seen on SmolLM2 under the full-range grid) is computed
+    again in float32."""
+    wd = w.to(dtype)
+    a = torch.cat([wd, *(wd - d.to(dtype) for d in deqs)])
+    if H is not None:
+        hc = h_cast.get((id(H), dtype))
+        if hc is None:
+            hc = h_cast[(id(H), dtype)] = H.to(dtype)
+        forms = row_forms(a, hc)
+    else:
+        forms = (a * a).sum(dim=1, dtype=torch.float32)
+    parts = forms.view(1 + len(deqs), -1).sum(dim=1, dtype=torch.float64).tolist()
+    if dtype != torch.float32 and min(parts) < 0:
+        return err_terms(w, deqs, H, h_cast, torch.float32)
+    return [x for num in parts[1:] for x in (num, parts[0])]
+
+
+# row_forms' column band: H's upper block triangle is read (0.6x the products of a @ H at 1536 wide)
+_FORM_BAND = 128
+
+
+def row_forms(a: torch.Tensor, H: torch.Tensor, band: int = _FORM_BAND) -> torch.Tensor:
+    """``a_i H a_i^T`` for every row of ``a`` (``H`` symmetric), in float32: over column bands ``I``,
+    ``a_I H_II a_I + 2 a_I (H_I,>I a_>I)``, so only H's upper block triangle is multiplied (on a SmolLM2
+    block's stacked rows, one CPU thread, bf16: 30 ms against 44 ms for ``((a @ H) * a).sum(1)``)."""
+    n = a.shape[1]
+    out = torch.zeros(a.shape[0], dtype=torch.float32, device=a.device)
+    for p in range(0, n, band):
+        q = min(n, p + band)
+        t = a[:, p:q] @ H[p:q, p:q]
+        if q < n:
+            t.add_(a[:, q:] @ H[q:, p:q], alpha=2)
+        out += (a[:, p:q] * t).sum(dim=1, dtype=torch.float32)
+    return out

@@ -1,0 +1,159 @@
+"""Causal attention in query chunks (``sq.quant.attention``) and the probe that picks the chunk (``sq.probe``).
+
+- Chunked, a model's causal attention is the unchunked one up to float rounding, and it really is
+  chunked (one SDPA call per chunk and layer).
+- Anything but the plain causal case goes to transformers' SDPA as it is, bit for bit: a padding mask,
+  and a sliding window (whose mask transformers makes only if the implementation has a mask function).
+- The probe picks a chunk only where one beats a single call by the margin, takes a resumed run's
+  recorded chunk, never measures on a GPU or for windows too short for 4 chunks, and caches per shape.
+- In a job: the chunk the probe gives is the one its forwards attend in, and it is in the run signature
+  and the report; 1 and 2 ranks write the same bits with it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+from quant_ref import quantize_jobs
+from sq import probe
+from sq.quant import attention
+from sq.testing.checkpoints import build_llama
+from test_ptq_moe import _same_bits
+
+
+def _model(kind: str, **cfg):
+    import transformers
+
+    config = getattr(transformers, f"{kind}Config")(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                    **cfg)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{kind}ForCausalLM")(config).eval()
+
+
+@pytest.fixture
+def counted_sdpa(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    yield calls
+    attention._chunk = None
+
+
+def _logits(model, ids, chunk, **kw):
+    attention.use_sdpa(model, chunk)
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+def test_chunked_causal_attention_is_the_causal_attention(counted_sdpa):
+    model = _model("Llama")
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    one = _logits(model, ids, None)
+    assert model.config._attn_implementation == "sdpa" and counted_sdpa == [64, 64]
+    counted_sdpa.clear()
+    chunked = _logits(model, ids, 16)
+    assert model.config._attn_implementation == attention.IMPL
+    assert counted_sdpa == [16] * 8  # 4 chunks x 2 layers
+    torch.testing.assert_close(chunked, one, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,cfg,mask", [
+    ("Llama", {}, "padding"),
+    ("Mistral", {"sliding_window": 8}, None),  # a window shorter than the sequence: a mask every layer
+])
+def test_anything_but_the_plain_causal_case_is_sdpa_as_it_is(counted_sdpa, kind, cfg, mask):
+    model = _model(kind, **cfg)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    kw = {}
+    if mask == "padding":
+        am = torch.ones(2, 32, dtype=torch.long)
+        am[1, :5] = 0  # left padding
+        kw["attention_mask"] = am
+    one = _logits(model, ids, None, **kw)
+    counted_sdpa.clear()
+    chunked = _logits(model, ids, 8, **kw)
+    assert counted_sdpa == [32, 32]  # one call per layer: not chunked
+    assert torch.equal(chunked, one)
+
+
+def test_probe_picks_a_chunk_only_where_it_wins(monkeypatch, tmp_path):
+    monkeypatch.setenv("SQ_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    fake = {None: 1.0, 32: 0.95, 64: 0.7, 128: 0.8, 256: 0.9}
+    measured = []
+
+    def timed(h, d, n, dtype, device, chunk, repeats=2):
+        measured.append((h, n, chunk))
+        return fake[chunk]
+
+    monkeypatch.setattr(probe, "time_attention", timed)
+    chunk, rec = probe.attention_chunk_choice(9, 64, 512, torch.bfloat16, cpu)
+    assert chunk == 64 and rec["why"] == "probe" and rec["seconds"]["64"] == 0.7
+    assert measured == [(4, 512, c) for c in (None, 32, 64, 128)]  # 4 heads; chunks that fit 4 times
+    assert json.loads(probe.attention_probe_file(9, 64, 512, torch.bfloat16, cpu).read_text())["64"] == 0.7
+    measured.clear()
+    assert probe.attention_chunk_choice(9, 64, 512, torch.bfloat16, cpu)[0] == 64 and measured == []  # cached
+    fake.update({32: 0.95, 64: 0.93, 128: 0.95})  # within the margin: one call
+    assert probe.attention_chunk_choice(9, 64, 256, torch.bfloat16, cpu)[0] is None
+    assert probe.attention_chunk_choice(9, 64, 100, torch.bfloat16, cpu) == (None, {})  # 4 x 32 > 100 tokens
+    assert probe.attention_chunk_choice(9, 64, 512, torch.bfloat16, torch.device("cuda")) == (None, {})
+    assert probe.attention_chunk_choice(9, 64, 512, torch.bfloat16, cpu, recorded=0) == (None, {"why": "recorded"})
+    assert probe.attention_chunk_choice(9, 64, 512, torch.bfloat16, cpu, recorded=128)[0] == 128
+
+
+def _seed_probe(seqlen: int, chunk: int | None) -> None:
+    """The probe's cache (``$SQ_CACHE_DIR``) for the fixture's attention (4 heads of 16, float32): ``chunk``
+    wins, or one call."""
+    chunks = [c for c in probe.ATTN_CHUNKS if 4 * c <= seqlen]
+    secs = {"none": 1.0, **{str(c): 0.5 if c == chunk else 2.0 for c in chunks}}
+    path = probe.attention_probe_file(4, 16, seqlen, torch.float32, torch.device("cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(secs))
+
+
+def _report(d):
+    return json.loads((d / "sq_report.json").read_text())
+
+
+def _counted_jobs(rank, world, jobs):
+    """``quantize_jobs``, and the query lengths SDPA was called with."""
+    lengths = set()
+    real = F.scaled_dot_product_attention
+
+    def counting(q, *args, **kwargs):
+        lengths.add(q.shape[2])
+        return real(q, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = counting
+    return quantize_jobs(rank, world, jobs), sorted(lengths)
+
+
+def test_a_job_attends_in_the_chunks_its_probe_chose(tmp_path, monkeypatch):
+    src = build_llama(tmp_path / "llama")
+    job = dict(model=str(src), scheme="W4A16", algo="gptq", group_size=16, nsamples=4, seqlen=128)
+    monkeypatch.setenv("SQ_CACHE_DIR", str(tmp_path / "cache-chunked"))
+    _seed_probe(128, 32)
+    two = run_ranks(_counted_jobs, 2, [dict(output=str(tmp_path / "w2"), **job)], timeout=300)
+    one = run_ranks(_counted_jobs, 1, [dict(output=str(tmp_path / "w1"), **job)], timeout=300)
+    # (whole windows too: the time preflight measures attention at the job's length)
+    assert all(res == [None] and 32 in lengths for res, lengths in two + one), (two, one)
+    monkeypatch.setenv("SQ_CACHE_DIR", str(tmp_path / "cache-single"))
+    _seed_probe(128, None)
+    single = run_ranks(_counted_jobs, 1, [dict(output=str(tmp_path / "one"), **job)], timeout=300)
+    assert single == [([None], [128])]
+    rep = _report(tmp_path / "w2")
+    assert rep["run_signature"]["args"]["attn_chunk"] == 32
+    assert rep["speed"]["attention"]["chunk"] == 32 and rep["speed"]["attention"]["why"] == "probe"
+    assert _report(tmp_path / "one")["run_signature"]["args"]["attn_chunk"] == 0
+    assert _same_bits(tmp_path / "w1", tmp_path / "w2") == []
