@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 __all__ = ["IMPL", "attention_shape", "sdpa", "use_sdpa"]
 
@@ -31,16 +32,19 @@ def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch
     c, n = _chunk, query.shape[2]
     if (c is None or n <= c or attention_mask is not None or key.shape[2] != n or kwargs.get("is_causal") is False
             or not getattr(module, "is_causal", True) or kwargs.get("position_bias") is not None
-            or kwargs.get("dropout")):
+            or kwargs.get("dropout") or kwargs.get("softcap") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    # torch's SDPA itself, as transformers calls it, with its grouped keys and values as they are (transformers
+    # repeats them when a mask is given: once per chunk here)
     pos = torch.arange(n, device=query.device)
+    gqa = key.shape[1] != query.shape[1]
     outs = []
     for s in range(0, n, c):
         e = min(n, s + c)
-        mask = pos[s:e, None] >= pos[None, :e]  # True: attend
-        out, _ = sdpa_attention_forward(module, query[:, :, s:e], key[:, :, :e], value[:, :, :e], mask, **kwargs)
-        outs.append(out)
-    return torch.cat(outs, dim=1), None  # [batch, queries, heads, dim], as transformers returns it
+        outs.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, :e], value[:, :, :e],
+                                                   attn_mask=pos[s:e, None] >= pos[None, :e],  # True: attend
+                                                   scale=kwargs.get("scaling"), enable_gqa=gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None  # [batch, queries, heads, dim], as transformers
 
 
 def attention_shape(model: nn.Module) -> tuple[int, int]:
