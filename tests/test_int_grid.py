@@ -174,3 +174,21 @@ def test_a_reported_error_never_goes_negative_in_bf16():
     want = float(e.double() @ H @ e.double().T)
     assert num == pytest.approx(want, rel=1e-3) and num > 0
     assert den == pytest.approx(float(w.double() @ H @ w.double().T), rel=1e-2)
+
+
+@pytest.mark.parametrize("n,band", [(576, 128), (200, 64), (64, 128)])
+def test_row_forms_read_one_block_triangle_only(n, band):
+    """``row_forms`` (the report's ``e H e^T`` per row) over H's lower block triangle equals the full
+    product, and reads nothing right of the diagonal blocks (garbage there changes nothing)."""
+    from sq.quant.work import row_forms
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(3 * n, n, generator=g, dtype=torch.float64)
+    H = x.T @ x
+    a = torch.randn(7, n, generator=g, dtype=torch.float64)
+    want = ((a @ H) * a).sum(1)
+    torch.testing.assert_close(row_forms(a, H, band).double(), want, rtol=1e-6, atol=0)
+    upper = H.clone()
+    for p in range(0, n, band):  # right of each diagonal block: never read
+        upper[p:p + band, p + band:] = float("nan")
+    torch.testing.assert_close(row_forms(a, upper, band).double(), want, rtol=1e-6, atol=0)
