@@ -63,7 +63,8 @@ SEARCH = ("tb45_w2", "tb50_w2", "eval_tb45_w2", "eval_tb50_w2", "w8_w2", "eval_w
 ROTATE = ("rtnrot_w2", "gptqrot_w2", "gptaqrot_w2", "gptq3rot_w2", "gptq2rot_w2", "gptaq2rot_w2",
           "mxgptq_w2", "mxgptqrot_w2", "mxgptqrotb32_w2", "mxgptaqrotb32_w2", "nvgptqrot_w2", "nvgptqrotb16_w2",
           "nvgptaq_w2", "sr4rot_w2", "mxgptaqrot4b32_w2", "nvgptaqr4b16_w2", "nvgptaqserved_w2", "nvgptqserved_w2", "nvgptq_w2", "nvgptaq05served_w2", "nvgptaqrot4b16served_w2",
-          "mxgptaqrot4b32served_w2", "nvgptaq015served_w2", "nvgptaqlaterserved_w2")
+          "mxgptaqrot4b32served_w2", "nvgptaq015served_w2", "nvgptaqlaterserved_w2",
+          "nvgptaqservedsm05_w2", "nvgptaqservedsm08_w2", "nvgptqservedsm08_w2")
 ROTATE += tuple(f"eval_{r}" for r in ROTATE)
 EXTRA = ("gptqoff_w2", "eval_gptqoff_w2", *SIGNROUND, *GPTAQ, *SEARCH, *ROTATE)
 VARIANTS = {  # run prefix -> (algo, extra arguments)
@@ -109,6 +110,9 @@ VARIANTS = {  # run prefix -> (algo, extra arguments)
     "nvgptaq05served": ("gptaq", ["--scheme", "NVFP4", "--served-activations", "--gptaq-alpha", "0.5"]),
     "nvgptaq015served": ("gptaq", ["--scheme", "NVFP4", "--served-activations", "--gptaq-alpha", "0.15"]),
     "nvgptaqlaterserved": ("gptaq", ["--scheme", "NVFP4", "--served-activations", "--gptaq-fit", "later"]),
+    "nvgptaqservedsm05": ("gptaq", ["--scheme", "NVFP4", "--served-activations", "--smooth", "0.5"]),
+    "nvgptaqservedsm08": ("gptaq", ["--scheme", "NVFP4", "--served-activations", "--smooth", "0.8"]),
+    "nvgptqservedsm08": ("gptq", ["--scheme", "NVFP4", "--served-activations", "--smooth", "0.8"]),
     "mxgptaqrot4b32served": ("gptaq", ["--scheme", "MXFP4", "--rotate", "r1,r2,r4", "--rotate-block", "32",
                                        "--served-activations"]),
     "sr4rot": ("signround", ["--iters", "50", "--rotate", "r1,r2"]),

@@ -51,7 +51,7 @@ def _rel(a, b) -> float:
 @torch.no_grad()
 def _fold_random(model, seed=0):
     from sq.anatomy import decoder_blocks
-    from sq.quant.algorithms.awq import _balance_param, fold
+    from sq.quant.algorithms.awq import balance_param, fold
     from sq.quant.awq import block_mappings
 
     g = torch.Generator().manual_seed(seed)
@@ -60,7 +60,7 @@ def _fold_random(model, seed=0):
         maps, refused = block_mappings(block)
         assert not refused, refused
         for m in maps:
-            shape = _balance_param(block, m.balance[0]).shape  # per expert: one vector each
+            shape = balance_param(block, m.balance[0]).shape  # per expert: one vector each
             fold(block, m, 0.5 + 1.5 * torch.rand(*(shape[::2] if m.per_expert else shape[-1:]), generator=g))
             kinds.append(m.smooth)
     return kinds

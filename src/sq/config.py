@@ -64,6 +64,8 @@ class PTQConfig:
     rotate_block: int | None = None  # None: one rotation over the whole hidden size (head size for r2)
     # GPTQ's quantized chain rounds each Linear's input as served (sq.quant.served)
     served_activations: bool = False
+    # SmoothQuant's migration strength: activation outliers moved into the weights before the algorithm (sq.quant.smooth)
+    smooth: float | None = None
     preflight: bool = True  # refuse a job whose predicted disk need exceeds the free space (sq.pipeline.disk)
 
     @classmethod
@@ -134,6 +136,8 @@ class PTQConfig:
         with static activation scales, or a calibrated KV cache."""
         if make_algorithm(self.algo).calibrated:
             return f"--algo {self.algo.name}"
+        if self.smooth is not None:
+            return "--smooth (the activations' ranges)"
         if observes_activations(assigner):
             return "static activation scales (FP8 input_scale, NVFP4 input_global_scale)"
         if self.kv_cache != "none":

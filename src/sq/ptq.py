@@ -123,6 +123,12 @@ def build_parser() -> ArgParser:
                         "the quantized chain rounds each Linear's input as the serving engine will, in the "
                         "Hessians and in the inputs carried to the next block (default: float activations in "
                         "calibration, as llm-compressor)")
+    p.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
+                   help="SmoothQuant before the algorithm (docs/smoothquant.md): each norm's output channels "
+                        "divided by s and the Linears it feeds multiplied by it, s = act_range^ALPHA / "
+                        "(2 max|W|)^(1-ALPHA) per channel (llm-compressor's SmoothQuantModifier; 0.5 its default, "
+                        "0.8 its W8A8 examples'): activation outliers move into the weights, for schemes that "
+                        "quantize activations (default: off)")
     p.add_argument("--resume", default=job["resume"], choices=("auto", "never", "require"),
                    help="auto: continue a matching unfinished run in --output; never: start over; "
                         "require: fail if there is nothing to resume")
@@ -169,6 +175,7 @@ def config_from(a: argparse.Namespace):
                      candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
                      rotate=tuple(r.strip().lower() for r in a.rotate.split(",") if r.strip()),
                      rotate_block=a.rotate_block, preflight=a.preflight, served_activations=a.served_activations,
+                     smooth=a.smooth,
                      fault=os.environ.get("SQ_FAULT"))
 
 

@@ -72,6 +72,7 @@ from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
 from sq.pipeline.rotation import Rotation, rotation_problems
 from sq.quant.served import ServedActivations, served_activations_problems
+from sq.quant.smooth import smooth_block, smooth_problems
 from sq.pipeline.disk import written_bytes
 from sq.pipeline.preflight import disk_preflight, memory_preflight, time_preflight
 
@@ -137,6 +138,7 @@ class _Pipeline:
         problems += search_problems(cfg, self.model, self.algo, self.targets, self.world, cost_dtype(self.weight_dtype))
         problems += rotation_problems(cfg, self.weights.in_memory, self.model)
         problems += served_activations_problems(cfg, self.targets)
+        problems += smooth_problems(cfg, self.targets.blocks)
         if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
             problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
                             "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
@@ -223,6 +225,10 @@ class _Pipeline:
             t = time.perf_counter()
             self.rotation.block(b, prefix, block, bad)
             phase["rotate"] = time.perf_counter() - t
+        if self.cfg.smooth is not None:  # before anything reads the block's weights or observes its inputs
+            t = time.perf_counter()
+            smooth_block(block, self.inputs, self.steps, self.dummy, self.cfg.smooth, self.device, self.autocast)
+            phase["smooth"] = time.perf_counter() - t
         work = BlockWork(b, prefix, block, self.targets.linears[b], self.targets.experts[b], self.inputs,
                          self.fp_inputs, self.steps, self.dummy, self.device, self.rank, self.world,
                          self.cfg.nsamples, self.cfg.seed, self.cfg.calibrate_all_experts,

@@ -111,7 +111,7 @@ class _Capture:
             self.handles.append(lin.module.register_forward_pre_hook(self._gram_hook(name)))
         for m in mappings:
             if not m.per_expert:  # the experts' intermediate activations are computed in the search
-                width = _balance_param(block, m.balance[0]).shape[-1]
+                width = balance_param(block, m.balance[0]).shape[-1]
                 self.xsum[m.parent] = torch.zeros(width, dtype=torch.float64, device=device)
                 self.count[m.parent] = torch.zeros(1, dtype=torch.float64, device=device)
             mod = block.get_submodule(m.parent)
@@ -169,7 +169,7 @@ class _Capture:
             h.remove()
 
 
-def _balance_param(block: nn.Module, name: str) -> torch.Tensor:
+def balance_param(block: nn.Module, name: str) -> torch.Tensor:
     """A balance target's weight: a Linear's ``weight`` or ``"<experts>:gate_up_proj"``."""
     mod_name, _, pname = name.partition(":")
     mod = block.get_submodule(mod_name)
@@ -211,7 +211,7 @@ def fold(block: nn.Module, m: Mapping, s: torch.Tensor) -> None:
     if getattr(smooth, "bias", None) is not None:
         _scale_dim0(smooth.bias, s, divide=True)
     for b in [*m.balance, *m.extra]:
-        _scale_cols(_balance_param(block, b), s)
+        _scale_cols(balance_param(block, b), s)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -250,7 +250,7 @@ class AWQAlgorithm(Algorithm):
                 break
             ex_names = {n for n, _ in experts_modules(block)}
             for m in maps:
-                folded = [_balance_param(block, b) for b in m.balance + m.extra]
+                folded = [balance_param(block, b) for b in m.balance + m.extra]
                 if m.per_expert:
                     folded.append(block.get_submodule(m.parent)._parameters["gate_up_proj"])
                 else:
@@ -361,7 +361,7 @@ class AWQAlgorithm(Algorithm):
         targets = []
         for b in m.balance:
             mod = b.partition(":")[0]
-            targets.append((_full(_balance_param(block, b)), schemes.get(f"{work.prefix}.{mod}")))
+            targets.append((_full(balance_param(block, b)), schemes.get(f"{work.prefix}.{mod}")))
         names = [b.partition(":")[0] for b in m.balance]
         if x_mean is None or all(sc is None for _, sc in targets):
             return None
