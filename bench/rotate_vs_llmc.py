@@ -1,6 +1,8 @@
-"""llm-compressor 0.14's own rotations + GPTQ on the standard benchmark, beside ``sq.ptq --rotate``.
+"""llm-compressor 0.14's own rotations (or SmoothQuant) + GPTQ on the standard benchmark, beside ``sq.ptq --rotate``
+(``--smooth``).
 
     .venv/bin/python bench/rotate_vs_llmc.py [--schemes W4A16,MXFP4] [--block N] [--nsamples 128 --seqlen 512]
+    .venv/bin/python bench/rotate_vs_llmc.py --schemes NVFP4 --smooth 0.8   # SmoothQuantModifier instead
 
 For each preset: ``oneshot([SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"
 [, transform_block_size=N]), GPTQModifier(preset, group 64 for int presets, ignore lm_head)])`` on the demo model
@@ -33,7 +35,7 @@ def llmc_worker(args) -> int:
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
-    from llmcompressor.modifiers.transform import SpinQuantModifier
+    from llmcompressor.modifiers.transform import SmoothQuantModifier, SpinQuantModifier
     from llmcompressor.pipelines.cache import IntermediatesCache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,9 +52,10 @@ def llmc_worker(args) -> int:
     spin = dict(rotations=["R1", "R2"], transform_type=args.type)
     if args.block:
         spin["transform_block_size"] = args.block
+    first = SmoothQuantModifier(smoothing_strength=args.smooth) if args.smooth else SpinQuantModifier(**spin)
     t = time.perf_counter()
     oneshot(model=model, tokenizer=tok, dataset=ds,
-            recipe=[SpinQuantModifier(**spin), GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])],
+            recipe=[first, GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])],
             num_calibration_samples=n, max_seq_length=seqlen, shuffle_calibration_samples=False)
     core = time.perf_counter() - t
     model.save_pretrained(args.out, save_compressed=True)
@@ -67,6 +70,7 @@ def main() -> int:
     p.add_argument("--block", type=int, default=None)
     p.add_argument("--type", default="random-hadamard",
                    help="SpinQuantModifier's transform_type (its 'hadamard' is built only for powers of two: not 576)")
+    p.add_argument("--smooth", type=float, default=None, help="SmoothQuantModifier at this strength, not SpinQuant")
     p.add_argument("--nsamples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--llmc-worker", action="store_true")
@@ -81,11 +85,12 @@ def main() -> int:
     src = demo_path("demo:smollm2")
     wfile, digest = windows_file(src, args.nsamples, args.seqlen)
     for scheme in args.schemes.split(","):
-        out = WORK / f"llmc-{scheme}-{args.type}-b{args.block or 0}"
+        out = WORK / (f"llmc-{scheme}-smooth{args.smooth}" if args.smooth else f"llmc-{scheme}-{args.type}-b{args.block or 0}")
         t = time.perf_counter()
         r = subprocess.run([str(LLMC_PY), __file__, "--llmc-worker", "--model", str(src), "--out", str(out),
                             "--windows", str(wfile), "--scheme", scheme, "--type", args.type]
-                           + (["--block", str(args.block)] if args.block else []),
+                           + (["--block", str(args.block)] if args.block else [])
+                           + (["--smooth", str(args.smooth)] if args.smooth else []),
                            capture_output=True, text=True)
         wall = time.perf_counter() - t
         if r.returncode:
@@ -93,7 +98,8 @@ def main() -> int:
             continue
         e = subprocess.run([sys.executable, "-m", "sq.eval", "--model", str(out)], capture_output=True, text=True)
         ppl = next((ln for ln in e.stdout.splitlines() if ln.startswith("perplexity")), e.stderr[-500:])
-        print(f"{scheme} block {args.block or 'whole'} {args.type}: llm-compressor SpinQuant R1R2 + GPTQ {ppl} "
+        what = f"SmoothQuant {args.smooth}" if args.smooth else f"block {args.block or 'whole'} {args.type}: SpinQuant R1R2"
+        print(f"{scheme} {what}: llm-compressor + GPTQ {ppl} "
               f"(wall {wall:.0f} s, windows {digest})", flush=True)
     return 0
 
