@@ -216,6 +216,8 @@ GPU_CASES = [  # (preset, model, extra sq.ptq flags)
     ("FP8_BLOCK", "llama128", []), ("W4A16", "moe", []), ("FP8_DYNAMIC", "moe", []),
     # online rotation (transform_config), which vLLM's CPU build cannot apply
     ("W4A16", "model", ["--rotate", "r1,r2,r4", "--rotate-block", "64"]),
+    # SmoothQuant's norms and columns (offline: an ordinary NVFP4 checkpoint with other weights)
+    ("NVFP4", "model", ["--smooth", "0.8"]),
 ]
 
 
@@ -238,7 +240,8 @@ def cmd_gpu(args) -> int:
                                      head_dim=64, num_hidden_layers=2)}
     groups: dict[str, list[tuple[str, Case]]] = {}
     for preset, model, extra in GPU_CASES:
-        name = f"{model}-{preset}{'-kv' if '--kv-cache' in extra else ''}{'-r4' if '--rotate' in extra else ''}"
+        name = (f"{model}-{preset}{'-kv' if '--kv-cache' in extra else ''}{'-r4' if '--rotate' in extra else ''}"
+                f"{'-smooth' if '--smooth' in extra else ''}")
         out = work / name
         if not (out / "config.json").is_file():
             group = ["--group-size", "64"] if preset in ("W8A16", "W4A16") else []
