@@ -134,3 +134,13 @@ def test_moe_norms_feed_every_expert_and_the_router(tmp_path):
         for p in ("gate_proj", "up_proj"):
             name = f"model.layers.0.mlp.experts.{e}.{p}"
             torch.testing.assert_close(_deq(out, name) / s, srcs[f"{name}.weight"], rtol=0.05, atol=2e-3)
+
+
+def test_a_block_without_known_norm_pairs_is_refused_before_anything_is_written(tmp_path):
+    from sq.testing.zoo import build_zoo
+
+    src = build_zoo(tmp_path / "gemma3", "gemma3_text")
+    job = dict(model=str(src), output=str(tmp_path / "out"), **JOB)
+    res = run_ranks(quantize_jobs, 1, [job], timeout=120)[0]
+    assert res[0] is not None and "--smooth has no smoothing mappings for Gemma3DecoderLayer" in res[0], res
+    assert not any((tmp_path / "out").glob("*.safetensors"))

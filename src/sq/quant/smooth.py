@@ -58,9 +58,10 @@ def smooth_problems(cfg, blocks: list[tuple[str, nn.Module]]) -> list[str]:
     if cfg.rotate:
         out.append("--smooth with --rotate: a rotation spreads the outlier channels that smoothing would scale "
                    "(use one or the other)")
-    for prefix, block in blocks[:1] + blocks[-1:]:
+    for prefix, block in blocks:  # every block: a hybrid model's blocks differ
         _, problems = smooth_mappings(block)
-        out += [f"{prefix}: {p}" for p in problems]
+        if problems:
+            return out + [f"{prefix}: {p}" for p in problems]
     return out
 
 
@@ -131,7 +132,7 @@ def smooth_block(block: nn.Module, inputs, steps: int, dummy, alpha: float, devi
     block on ``inputs`` for the norms' output ranges, the fed weights' column absmax, ``s``, folded into
     this rank's shards. Returns the number of mappings smoothed."""
     mappings, problems = smooth_mappings(block)
-    if problems:  # smooth_problems checked the first and last blocks; a block between unlike them
+    if problems:  # (smooth_problems refused these before anything was mutated)
         raise SqError(problems)
     stats = SmoothStats(block, mappings)
     try:
