@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from sq.files import default_cache_dir, write_bytes_atomic
+from sq.quant.attention import causal_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,15 @@ def _processor() -> str:
 
 
 def _cache_file(shapes, dtype: torch.dtype, device: torch.device):
-    key = json.dumps({"shapes": sorted(shapes), "dtype": str(dtype), "torch": torch.__version__,
-                      "threads": torch.get_num_threads(), "machine": _processor(),
-                      "node": platform.node(), "device": str(device.type), "tokens": PROBE_TOKENS})
-    return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    return _probe_path({"shapes": sorted(shapes), "dtype": str(dtype), "torch": torch.__version__,
+                        "threads": torch.get_num_threads(), "machine": _processor(),
+                        "node": platform.node(), "device": str(device.type), "tokens": PROBE_TOKENS})
+
+
+def _probe_path(key: dict):
+    """``$SQ_CACHE_DIR/probes/<sha256 of the key's JSON, 24 hex>.json``: one file per machine and shape."""
+    text = json.dumps(key)
+    return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".json")
 
 
 def _read_cache(path, keys=("half", "float32")) -> list[float] | None:
@@ -205,18 +211,13 @@ def time_attention(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, d
     passes after an untimed one)."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, heads, tokens, head_dim, generator=g, device=device).to(dtype)
-    pos = torch.arange(tokens, device=device)
-    F = torch.nn.functional
     best = float("inf")
     for r in range(repeats + 1):
         t = time.perf_counter()
         if chunk is None:
-            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         else:
-            for s in range(0, tokens, chunk):
-                e = min(tokens, s + chunk)
-                F.scaled_dot_product_attention(q[:, :, s:e], q[:, :, :e], q[:, :, :e],
-                                               attn_mask=pos[s:e, None] >= pos[None, :e])
+            causal_chunks(q, q, q, chunk)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if r:
@@ -227,10 +228,9 @@ def time_attention(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, d
 def attention_probe_file(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device):
     """Where the attention probe's seconds for this shape are kept (``{"none": s, "<chunk>": s, ...}``):
     one per machine and shape, whatever the thread count, so every job of a shape here chooses alike."""
-    key = json.dumps({"attention": [min(heads, ATTN_PROBE_HEADS), head_dim, min(tokens, ATTN_PROBE_TOKENS)],
-                      "dtype": str(dtype), "torch": torch.__version__, "machine": _processor(),
-                      "node": platform.node(), "device": str(device.type)})
-    return default_cache_dir(os.environ) / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    return _probe_path({"attention": [min(heads, ATTN_PROBE_HEADS), head_dim, min(tokens, ATTN_PROBE_TOKENS)],
+                        "dtype": str(dtype), "torch": torch.__version__, "machine": _processor(),
+                        "node": platform.node(), "device": str(device.type)})
 
 
 def attention_chunk_choice(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device,

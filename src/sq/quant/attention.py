@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["IMPL", "attention_shape", "sdpa", "use_sdpa"]
+__all__ = ["IMPL", "attention_shape", "causal_chunks", "sdpa", "use_sdpa"]
 
 IMPL = "sq_sdpa"
 _chunk: int | None = None  # queries per chunk for the model the job set IMPL on (use_sdpa)
@@ -36,15 +36,25 @@ def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     # torch's SDPA itself, as transformers calls it, with its grouped keys and values as they are (transformers
     # repeats them when a mask is given: once per chunk here)
+    out = causal_chunks(query, key, value, c, scale=kwargs.get("scaling"))
+    return out.transpose(1, 2).contiguous(), None  # [batch, queries, heads, dim], as transformers
+
+
+def causal_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: int,
+                  scale: float | None = None) -> torch.Tensor:
+    """Causal SDPA over ``[batch, heads, tokens, dim]`` with queries ``[s, e)`` against keys ``[0, e)`` only,
+    ``chunk`` queries at a time (the causal mask on the diagonal block); keys and values may have fewer
+    heads (grouped).  What the job's attention runs, and what the probe times."""
+    n = query.shape[2]
     pos = torch.arange(n, device=query.device)
     gqa = key.shape[1] != query.shape[1]
     outs = []
-    for s in range(0, n, c):
-        e = min(n, s + c)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
         outs.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, :e], value[:, :, :e],
                                                    attn_mask=pos[s:e, None] >= pos[None, :e],  # True: attend
-                                                   scale=kwargs.get("scaling"), enable_gqa=gqa))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None  # [batch, queries, heads, dim], as transformers
+                                                   scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
 
 
 def attention_shape(model: nn.Module) -> tuple[int, int]:
