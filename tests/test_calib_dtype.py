@@ -125,7 +125,13 @@ def test_probe_flags_and_cache(tmp_path, monkeypatch):
     assert (flat.name, flat.why) == ("model", "float32 model")
 
 
-def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
+def _calib_probe_file(cache):
+    """The calibration dtype probe's cache file (beside it: the Hessian products' probe, sq.probe)."""
+    [path] = [p for p in (cache / "probes").glob("*.json") if "half" in json.loads(p.read_text())]
+    return path
+
+
+def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path, monkeypatch):
     """``auto`` on a bf16 model: the probe's times and choice in the report and the signature, the same
     on both ranks; killed and resumed after the machine's cached times were changed to favour the other
     dtype, the rerun computes as the run it continues (``recorded``) and ends bit-identical to an
@@ -138,7 +144,7 @@ def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
     res = run_cli(args, 2, timeout=300, env={"SQ_CACHE_DIR": str(cache), "SQ_FAULT": "after-shard-write:0:1"})
     assert res.returncode != 0 and "--calib-dtype auto:" in res.output, res.output[-3000:]
     chose_bf16 = re.search(r"--calib-dtype auto: (\w+)", res.output)[1] == "bfloat16"
-    [cached] = (cache / "probes").glob("*.json")
+    cached = _calib_probe_file(cache)
     flipped = {"half": 1.0, "float32": 0.5} if chose_bf16 else {"half": 0.5, "float32": 1.0}
     cached.write_text(json.dumps(flipped))
     res = run_cli(args, 2, timeout=300, env={"SQ_CACHE_DIR": str(cache)})
@@ -148,6 +154,7 @@ def test_auto_is_measured_recorded_and_kept_by_a_resumed_run(bf16, tmp_path):
     assert report["speed"]["why"] == "recorded" and report["speed"]["calib_dtype"] == want
     assert report["run_signature"]["args"]["calib_dtype"] == want
     job = dict(model=str(bf16["llama"]), output=str(pinned), scheme="W4A16", algo="gptq", calib_dtype=want, **JOB)
+    monkeypatch.setenv("SQ_CACHE_DIR", str(cache))  # the Hessian products as this machine's probe chose them
     assert run_ranks(quantize_jobs, 2, [job], timeout=300)[0] == [None]
     assert _same_bits(out, pinned) == []
 
@@ -165,7 +172,7 @@ def test_signround_under_auto_is_mixed_or_float32(bf16, tmp_path, monkeypatch):
         assert run_ranks(quantize_jobs, 2, jobs, timeout=300)[0] == [None] * len(jobs)
 
     run("auto-first")  # measures, and caches this machine's times
-    [cached] = (cache / "probes").glob("*.json")
+    cached = _calib_probe_file(cache)
     cached.write_text(json.dumps({"half": 0.5, "float32": 1.0}))
     run("auto-half", "mixed")
     cached.write_text(json.dumps({"half": 1.0, "float32": 0.5}))

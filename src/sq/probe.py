@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -30,10 +31,12 @@ import torch.distributed as dist
 
 from sq.files import default_cache_dir, write_bytes_atomic
 from sq.quant.attention import causal_chunks
+from sq.quant.gptq import bf16_operand_products, bf16_products_available, sym_products
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Choice", "attention_chunk_choice", "attention_probe_file", "calib_dtype_choice", "machine", "time_attention", "time_linears"]
+__all__ = ["Choice", "attention_chunk_choice", "attention_probe_file", "calib_dtype_choice", "hessian_probe_file",
+           "hessian_products_choice", "machine", "time_attention", "time_hessian", "time_linears"]
 
 # CPU flags recorded beside a run's timings (docs/benchmarks.md names machines by them); never a rule
 _RECORDED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "fma")
@@ -255,3 +258,61 @@ def attention_chunk_choice(heads: int, head_dim: int, tokens: int, dtype: torch.
                 f"in query chunks of {chunk}" if chunk else "one call", h, n,
                 ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in zip(keys, secs)), ", cached" if cached else "")
     return chunk, {"why": "probe", "seconds": {k: round(t, 6) for k, t in zip(keys, secs)}}
+
+
+HESSIAN_MARGIN = 1.05  # bf16 operands: the same exact products, only the sums' order differs from float32's
+
+
+def time_hessian(widths: list[int], device: torch.device, bf16: bool, repeats: int = REPEATS) -> float:
+    """Seconds for one sample's Hessian products (``sq.quant.gptq.sym_products``) of ``PROBE_TOKENS`` bf16
+    values at each of ``widths`` (cut to ``MAX_WIDTH``), in float32 or as bf16 operands (the best of
+    ``repeats`` passes after an untimed one)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(PROBE_TOKENS, min(n, MAX_WIDTH), generator=g).to(torch.bfloat16).to(device, torch.float32)
+          for n in widths]
+    hs = [torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=device) for x in xs]
+    best = float("inf")
+    with bf16_operand_products(bf16):
+        for r in range(repeats + 1):
+            t = time.perf_counter()
+            for x, h in zip(xs, hs):
+                sym_products(h, x)
+            if r:
+                best = min(best, time.perf_counter() - t)
+    return best
+
+
+def hessian_probe_file(widths: list[int], device: torch.device):
+    """Where the Hessian probe's seconds for these widths are kept (``{"bf16": s, "float32": s}``)."""
+    return _probe_path({"hessian": sorted({min(n, MAX_WIDTH) for n in widths}), "torch": torch.__version__,
+                        "threads": torch.get_num_threads(), "machine": _processor(), "node": platform.node(),
+                        "device": str(device.type), "tokens": PROBE_TOKENS})
+
+
+def hessian_products_choice(widths: list[int], dtype: torch.dtype | None, device: torch.device,
+                            recorded: bool | None = None) -> tuple[bool, dict]:
+    """Whether GPTQ's Hessian products of the forwards' bf16 inputs run as bf16 operands with float32 sums
+    (``sq.quant.gptq.use_bf16_products``) or in float32, with the probe's seconds.  Measured where both can
+    run (CPU, bf16 inputs, a CPU and torch with the mode: on an AMX Xeon 2.4x faster, on an AMD EPYC with
+    AVX512-BF16 1.13x at 1536 wide and equal at 576); the bf16 form must win by ``HESSIAN_MARGIN``.
+    ``recorded``: a run of this job's choice, taken as it is.  Collective where it measures (the mode's
+    absence counts as an infinitely slow time, so ranks on different CPUs agree): call on every rank."""
+    if recorded is not None:
+        on = recorded and bf16_products_available()
+        if recorded and not on:
+            logger.warning("the run being resumed took GPTQ's Hessian products as bf16 operands, which this CPU "
+                           "or torch cannot: float32 here (the same products, sums in another order)")
+        return on, {"why": "recorded"}
+    widths = sorted(set(widths))[-3:]
+    if device.type != "cpu" or dtype != torch.bfloat16 or not widths:
+        return False, {}
+    keys = ("bf16", "float32")
+    secs, cached = _agreed(hessian_probe_file(widths, device), keys, lambda: [
+        time_hessian(widths, device, True) if bf16_products_available() else float("inf"),
+        time_hessian(widths, device, False)])
+    on = secs[0] * HESSIAN_MARGIN < secs[1] and bf16_products_available()
+    logger.info("GPTQ Hessian products: %s (a probe of %s wide x %d tokens: bf16 operands %s, float32 %.1f ms%s)",
+                "bf16 operands, float32 sums" if on else "float32", "/".join(map(str, widths)), PROBE_TOKENS,
+                f"{secs[0] * 1e3:.1f} ms" if math.isfinite(secs[0]) else "unavailable", secs[1] * 1e3,
+                ", cached" if cached else "")
+    return on, {"why": "probe", "seconds": {k: round(t, 6) if math.isfinite(t) else None for k, t in zip(keys, secs)}}

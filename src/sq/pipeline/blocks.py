@@ -64,9 +64,10 @@ from sq.quant.experts import (
     take_solved,
 )
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
+from sq.quant.gptq import use_bf16_products
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
-from sq.probe import Choice, attention_chunk_choice, calib_dtype_choice, machine
+from sq.probe import Choice, attention_chunk_choice, calib_dtype_choice, hessian_products_choice, machine
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
@@ -118,6 +119,7 @@ class _Pipeline:
         # own FSDP2 mixed precision), chosen in claim(); weights and checkpoint tensors stay in weight_dtype
         self.weight_dtype = main_dtype(self.targets.blocks[0][1]) if self.targets.blocks else None
         self.choice: Choice | None = None
+        self.hessian: dict = {}  # GPTQ's Hessian products: how and why (the report's speed.hessian)
         self.stats = _Stats()
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
         self.search_report: dict | None = None  # --target-bits (sq.pipeline.search), when it ran in this process
@@ -148,6 +150,10 @@ class _Pipeline:
         if self.calibrated:  # what the forwards actually compute in, resolved
             sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
             sig["args"]["attn_chunk"] = (self.choice.attn_chunk if self.choice is not None else None) or 0
+            bf16, why = self._hessian_products()
+            self.hessian = {"products": "bf16" if bf16 else "float32", **why} if why else {}
+            sig["args"]["hessian_products"] = "bf16" if bf16 else "float32"
+            use_bf16_products(bf16)  # this job's Hessians (and the time preflight's measure of them)
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         if cfg.preflight and not problems:  # a job refused already is not sized (its schemes may not apply)
             for check, part in ((memory_preflight, "memory"), (disk_preflight, "disk")):
@@ -180,6 +186,13 @@ class _Pipeline:
             *attention_shape(self.model), self.cfg.seqlen, choice.autocast or choice.dtype or self.weight_dtype
             or torch.float32, self.device, recorded=chunk if isinstance(chunk, int) else None)
         return choice
+
+    def _hessian_products(self) -> tuple[bool, dict]:
+        """GPTQ's Hessian products of bf16 inputs: as bf16 operands or float32 (``sq.probe``), or as recorded."""
+        args = (self.run.recorded_signature() or {}).get("args") or {} if self.cfg.resume != "never" else {}
+        return hessian_products_choice([i for i, _ in self.targets.linear_shapes()], self.compute_dtype
+                                       or self.weight_dtype, self.device,
+                                       recorded={"bf16": True, "float32": False}.get(args.get("hessian_products")))
 
     def restart_point(self) -> int:
         """The largest block every rank can restart from; keeps the manifests' blocks before it."""
@@ -514,8 +527,9 @@ class _Pipeline:
             "resumed_from_block": start,
             "skipped_nonfinite": self.run.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
         }
-        if self.choice is not None:
-            report["speed"] = self.choice.to_dict()
+        if self.choice is not None or self.hessian:
+            report["speed"] = {**(self.choice.to_dict() if self.choice is not None else {}),
+                               **({"hessian": self.hessian} if self.hessian else {})}
         if self.stats.per_block:
             report[cfg.algo.name] = self.stats.per_block
         if self.search_report:  # --target-bits: every unit's scores and choice

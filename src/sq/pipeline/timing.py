@@ -45,6 +45,7 @@ import torch
 from sq.files import default_cache_dir, write_bytes_atomic
 from sq.pipeline.footprint import MemoryFacts, block_shape
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE
+from sq.quant.gptq import bf16_products
 from sq.quant.work import Cost
 
 logger = logging.getLogger(__name__)
@@ -447,7 +448,7 @@ def probe_rates(*, shapes, heads: int, seqlen: int, compute_dtype: torch.dtype, 
                       "weight_dtype": str(weight_dtype), "experts": experts,
                       "torch": torch.__version__, "threads": torch.get_num_threads(), "local_world": local_world,
                       "machine": platform.processor() or platform.machine(), "node": platform.node(),
-                      "device": device.type, "v": 6}, sort_keys=True, default=str)
+                      "device": device.type, "bf16_products": bf16_products(), "v": 6}, sort_keys=True, default=str)
     path = default_cache_dir(os.environ) / "rates" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
     try:
         compute = {k: float(v) for k, v in json.loads(path.read_text()).items()}

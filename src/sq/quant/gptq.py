@@ -70,15 +70,18 @@ from sq.formats.specs import spec_for
 from sq.quant.settings import AlgoConfig, option
 from sq.formats.schemes import QuantScheme, check_group_size
 
-__all__ = ["GPTQ", "GPTQConfig", "GPTAQConfig", "GPTQResult", "Problem", "quantize_together"]
+__all__ = ["GPTQ", "GPTQConfig", "GPTAQConfig", "GPTQResult", "Problem", "bf16_operand_products", "bf16_products",
+           "bf16_products_available", "quantize_together", "sym_products", "use_bf16_products"]
 
 logger = logging.getLogger(__name__)
 
 _BF32: bool | None = None  # _cpu_bf32's answer, once asked
+_CHOSEN: bool | None = None  # use_bf16_products' setting (None: wherever the CPU has them)
 
 
 def _cpu_bf32() -> bool:
-    """Whether this torch and CPU run float32 matmuls in oneDNN's bf16 mode (AMX / AVX512-BF16)."""
+    """Whether this torch and CPU can run float32 matmuls in oneDNN's bf16 mode at all (whether that is
+    faster is measured: ``sq.probe.hessian_products_choice``)."""
     global _BF32
     if _BF32 is None:
         mm = getattr(torch.backends.mkldnn, "matmul", None)
@@ -90,13 +93,38 @@ def _cpu_bf32() -> bool:
     return _BF32
 
 
-@contextmanager
+def bf16_products_available() -> bool:
+    """Whether bf16-operand products (``use_bf16_products``) can run here."""
+    return _cpu_bf32()
+
+
+def use_bf16_products(on: bool | None) -> None:
+    """Process-wide: whether the Hessians' (and GPTAQ's cross terms') products of bf16 inputs on CPU run as
+    bf16 operands with float32 sums (``_bf16_operands``) or in float32.  A job sets what its probe chose
+    (or its run recorded): the two differ in summation order, so a run keeps one.  None: wherever the CPU
+    has them (the default for callers outside a job)."""
+    global _CHOSEN
+    _CHOSEN = None if on is None else bool(on) and _cpu_bf32()
+
+
+def bf16_products() -> bool:
+    """The process's current setting (``use_bf16_products``)."""
+    return _CHOSEN if _CHOSEN is not None else _cpu_bf32()
+
+
 def _bf16_operands(on: bool):
+    """``bf16_operand_products`` where the setting (``use_bf16_products``) has them."""
+    return bf16_operand_products(on and bf16_products())
+
+
+@contextmanager
+def bf16_operand_products(on: bool):
     """Float32 CPU matmuls computed by oneDNN from bf16 operands with float32 accumulation and a float32
     result ("bf32"), for operands whose values are bf16 already: rounding them to bf16 is exact, so the
-    product is the float32 one up to summation order, 2.0-2.4x faster with AMX (one thread, 16 x 512
-    tokens: 0.079 s against 0.186 s at 1536 wide, 0.015 s against 0.029 s at 576).  A process-wide torch setting,
-    restored on exit; off where the CPU or torch lacks it."""
+    product is the float32 one up to summation order (one thread, 16 x 512 tokens, band products: with AMX
+    0.079 s against 0.186 s at 1536 wide; on an AMD EPYC with AVX512-BF16 0.233 against 0.264 s, and equal
+    at 576).  A process-wide torch setting, restored on exit; a no-op for ``on=False`` or where the CPU has
+    no such mode."""
     if not (on and _cpu_bf32()):
         yield
         return
@@ -107,6 +135,15 @@ def _bf16_operands(on: bool):
         yield
     finally:
         mm.fp32_precision = before
+
+
+def sym_products(H: Tensor, xs: Tensor, band: int | None = None) -> None:
+    """``H += xs^T xs`` over its upper block triangle only, in row bands of ``band`` (``_SYM_BAND``): an
+    entry is the same float32 dot product over the tokens either way; the lower triangle is left as it
+    is (``GPTQ`` mirrors it when ``H`` is next read).  ``xs``: ``[tokens, n]`` float32."""
+    n, band = xs.shape[1], band or _SYM_BAND
+    for a in range(0, n, band):
+        H[a : a + band, a:].add_(xs[:, a : a + band].T @ xs[:, a:])
 
 
 # add_batch's row band for the upper block triangle of x^T x, measured on one CPU thread for
@@ -299,21 +336,21 @@ class GPTQ:
             # [samples, tokens, in]: each sample's x^T x in float32 (2-5x faster than float64 on CPU),
             # summed in float64.  A sample's product does not depend on which rank or batch holds it,
             # so the sum over ranks is the single-process sum up to float64 rounding.
-            # Inputs in bf16 (the forwards' dtype on a CPU with AMX) multiply as bf16 operands with
-            # float32 sums and results (_bf16_operands: exact, 2x faster).  (Not bf16 *results*:
+            # Inputs in bf16 multiply as bf16 operands with float32 sums and results where that was
+            # measured faster (_bf16_operands, sq.probe.hessian_products_choice: exact operands; with
+            # AMX 2x faster).  (Not bf16 *results*:
             # rounding each sample's x^T x to bf16 leaves some Hessians indefinite; SmolLM2's layer 0 and
             # 15 o_proj need 10x the dampening then.)  x^T x is symmetric: only
             # its upper block triangle is computed, in row bands of _SYM_BAND (an entry is the same
             # float32 dot product over the sample's tokens either way); the lower triangle is
             # mirrored from it when H is next read.
-            H, n, band = self._H, self.in_features, _SYM_BAND
+            H, n = self._H, self.in_features
             with _bf16_operands(x.dtype == torch.bfloat16 and H.device.type == "cpu"):
                 for sample in x.reshape(x.shape[0], -1, n):
                     xs = sample.to(device=H.device, dtype=torch.float32)
-                    for a in range(0, n, band):
-                        H[a : a + band, a:].add_(xs[:, a : a + band].T @ xs[:, a:])
+                    sym_products(H, xs)
                     self.nsamples += xs.shape[0]
-            self._upper = self._upper or n > band
+            self._upper = self._upper or n > _SYM_BAND
             return
         H = self.H  # complete (mirrored) before a full update
         x = x.reshape(-1, self.in_features).to(device=H.device, dtype=H.dtype)
@@ -323,14 +360,14 @@ class GPTQ:
     def _add_cross(self, x: Tensor, x_fp: Tensor) -> None:
         """The cross term, a sample at a time in float32, summed in float64.
 
-        Inputs in bf16 on a CPU with bf16 matmuls (``_bf16_operands``): ``sum x_fp^T x`` from bf16
+        Inputs in bf16 where the job chose bf16 products (``_bf16_operands``): ``sum x_fp^T x`` from bf16
         operands (exact products, float32 sums: 2x faster than float32's, 4x less than the direct
         product below, which the difference of two bf16 inputs cannot use), ``D = that - H`` when read
         (the drift is small beside the inputs: D keeps ~1e-5 relative).  Else ``(x_fp - x)^T x``
         directly.  The first batch decides; the form is kept for the rest."""
         n = self.in_features
         fast = (x.dtype == torch.bfloat16 and x_fp.dtype == torch.bfloat16 and self._H.device.type == "cpu"
-                and _cpu_bf32())
+                and bf16_products())
         if self.cross is None:
             self.cross = torch.zeros(n, n, dtype=torch.float64, device=self._H.device)
             self._cross_is_c = fast
