@@ -4,7 +4,7 @@
     .venv/bin/python bench/signround_step.py --compile            # torch.compile of the block's forward
     .venv/bin/python bench/signround_step.py --no-float32-copy    # gathered bf16 weights straight to autocast
     .venv/bin/python bench/signround_step.py --profile            # torch.profiler's table of the step
-    .venv/bin/python bench/signround_step.py --attention          # causal attention alone: SDPA vs a hand backward
+    .venv/bin/python bench/signround_step.py --attention          # causal attention alone: SDPA's backward vs sq's
 
 One thread, 4 windows x 512 tokens (a rank's share of batch 8 at 2 ranks), W4A16 g64 on the full-range grid,
 every Linear of layer 5 tuned (``sq.quant.signround.tuned_qdq``), the loss an MSE against a fixed target.
@@ -31,7 +31,7 @@ def _block_step(args) -> None:
     from sq.quant.signround import _Swapped, tuned_qdq
 
     model = AutoModelForCausalLM.from_pretrained(demo_path("demo:smollm2"), dtype=torch.float32)
-    use_sdpa(model, args.chunk or None)
+    use_sdpa(model, args.chunk or None, args.backward)
     block = model.model.layers[5]
     for p in block.parameters():
         p.requires_grad_(False)
@@ -88,56 +88,6 @@ def _block_step(args) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-class _HandBackward(torch.autograd.Function):
-    """Causal attention: SDPA's flash kernel forward in query chunks (keeping its logsumexp), and a backward
-    by hand over the same chunks with float32 scores and score gradients (bf16 products elsewhere), grouped
-    keys taken as ``[batch, kv heads, group x chunk, dim]`` products."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, chunk):
-        n, scale = q.shape[2], q.shape[-1] ** -0.5
-        pos = torch.arange(n)
-        outs, lses = [], []
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            mask = torch.zeros(e - s, e, dtype=q.dtype).masked_fill_(pos[s:e, None] < pos[None, :e], float("-inf"))
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, s:e], k[:, :, :e], v[:, :, :e], attn_mask=mask, scale=scale)
-            outs.append(o)
-            lses.append(lse)
-        out = torch.cat(outs, 2)
-        ctx.save_for_backward(q, k, v, out, torch.cat(lses, 2))
-        ctx.chunk = chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        (B, H, n, D), KV = q.shape, k.shape[1]
-        G, c, scale = H // KV, ctx.chunk, D ** -0.5
-        qg, dog, og = (t.reshape(B, KV, G, n, D) for t in (q, dout, out))
-        lse = lse.view(B, KV, G, n)
-        rowdot = (dog.float() * og.float()).sum(-1)
-        dq = torch.empty_like(qg)
-        dk = torch.zeros(B, KV, n, D)
-        dv = torch.zeros(B, KV, n, D)
-        pos = torch.arange(n)
-        k32, v32 = k.float(), v.float()
-        for s in range(0, n, c):
-            e = min(n, s + c)
-            qc = qg[:, :, :, s:e].reshape(B, KV, G * (e - s), D)
-            S = (qc.float() @ k32[:, :, :e].transpose(-1, -2)).mul_(scale).view(B, KV, G, e - s, e)
-            S[..., s:e].masked_fill_(pos[s:e, None] < pos[None, s:e], float("-inf"))
-            P = S.sub_(lse[:, :, :, s:e, None]).exp_()
-            doc = dog[:, :, :, s:e].reshape(B, KV, G * (e - s), D)
-            dv[:, :, :e] += (P.to(q.dtype).view(B, KV, -1, e).transpose(-1, -2) @ doc).float()
-            dP = (doc.float() @ v32[:, :, :e].transpose(-1, -2)).view(B, KV, G, e - s, e)
-            dS = P.mul_(dP.sub_(rowdot[:, :, :, s:e, None])).mul_(scale).to(q.dtype).view(B, KV, -1, e)
-            dq[:, :, :, s:e] = (dS @ k[:, :, :e]).view(B, KV, G, e - s, D)
-            dk[:, :, :e] += (dS.transpose(-1, -2) @ qc).float()
-        return dq.view(B, H, n, D), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 def _attention(args) -> None:
     from sq.quant.attention import causal_chunks
 
@@ -154,7 +104,7 @@ def _attention(args) -> None:
     for name, fn in (("SDPA, one call", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                       enable_gqa=True)),
                      (f"SDPA, chunks of {c}", lambda q, k, v: causal_chunks(q, k, v, c)),
-                     (f"hand backward, chunks of {c}", lambda q, k, v: _HandBackward.apply(q, k, v, c))):
+                     (f"sq's backward, chunks of {c}", lambda q, k, v: causal_chunks(q, k, v, c, backward="sq"))):
         times = []
         for r in range(5):
             q, k, v = inputs()
@@ -176,6 +126,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--no-float32-copy", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--backward", choices=("sdpa", "sq"), default="sq", help="the chunks' backward (sq.quant.attention)")
     ap.add_argument("--attention", action="store_true", help="time the attention alone")
     args = ap.parse_args()
     torch.set_num_threads(1)

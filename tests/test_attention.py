@@ -8,6 +8,10 @@
   recorded chunk, never measures on a GPU or for windows too short for 4 chunks, and caches per shape.
 - In a job: the chunk the probe gives is the one its forwards attend in, and it is in the run signature
   and the report; 1 and 2 ranks write the same bits with it.
+- Where gradients flow (SignRound's steps), the chunks' hand-written backward (``_CausalChunks``) gives the
+  attention's gradients (float32: to 1e-5 of float64's; bf16: as close as SDPA's own), its forward is the
+  chunked SDPA's bit for bit, and under autocast it takes the inputs as autocast would give them to SDPA;
+  its probe takes it only where it wins by the margin, and a SignRound job steps through it when chosen.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def counted_sdpa(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
     yield calls
-    attention._chunk = None
+    attention._chunk, attention._backward = None, "sdpa"
 
 
 def _logits(model, ids, chunk, **kw):
@@ -157,3 +161,101 @@ def test_a_job_attends_in_the_chunks_its_probe_chose(tmp_path, monkeypatch):
     assert rep["speed"]["attention"]["chunk"] == 32 and rep["speed"]["attention"]["why"] == "probe"
     assert _report(tmp_path / "one")["run_signature"]["args"]["attn_chunk"] == 0
     assert _same_bits(tmp_path / "w1", tmp_path / "w2") == []
+
+
+def _reference_grads(q, k, v, grad, scale):
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True, scale=scale).backward(grad.double())
+    return [t.grad for t in ref]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv,tokens,chunk", [(4, 2, 70, 32), (3, 3, 64, 16), (6, 1, 100, 64)])
+def test_hand_backward_is_the_attention_gradient(dtype, heads, kv, tokens, chunk):
+    g = torch.Generator().manual_seed(tokens)
+    q, k, v = (torch.randn(2, h, tokens, 16, generator=g).to(dtype).requires_grad_() for h in (heads, kv, kv))
+    grad = torch.randn(2, heads, tokens, 16, generator=g).to(dtype)
+    out = attention.causal_chunks(q, k, v, chunk, scale=0.3, backward="sq")
+    assert type(out.grad_fn).__name__ == "_CausalChunksBackward"
+    assert torch.equal(out.detach(), attention.causal_chunks(q.detach(), k.detach(), v.detach(), chunk, scale=0.3))
+    out.backward(grad)
+    mine = [t.grad for t in (q, k, v)]
+    want = _reference_grads(q, k, v, grad, 0.3)
+    if dtype == torch.float32:
+        for a, b in zip(mine, want):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        return
+    for t in (q, k, v):
+        t.grad = None
+    attention.causal_chunks(q, k, v, chunk, scale=0.3).backward(grad)  # SDPA's own backward
+    for a, s, b in zip(mine, [t.grad for t in (q, k, v)], want):
+        err = lambda x: float((x.double() - b).norm() / b.norm())  # noqa: E731
+        assert a.dtype == dtype and err(a) < 1.5 * err(s) + 1e-3, (err(a), err(s))
+
+
+def test_hand_backward_under_autocast_takes_what_sdpa_would():
+    """Rotary embeddings leave queries and keys float32 under autocast, values bf16: SDPA's autocast casts them
+    all; the hand backward does the same, and the gradients flow back to each input in its own dtype."""
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 2, 48, 8, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 2, 48, 8, generator=g).to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine = attention.causal_chunks(q, k, v, 16, backward="sq")
+        theirs = attention.causal_chunks(q, k, v, 16)
+    assert mine.dtype == theirs.dtype == torch.bfloat16 and torch.equal(mine, theirs)
+    mine.float().sum().backward()
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (torch.float32, torch.float32, torch.bfloat16)
+
+
+def test_backward_probe_rules(monkeypatch, tmp_path):
+    monkeypatch.setenv("SQ_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    measured = []
+
+    def timed(heads, head_dim, tokens, dtype, device, chunk, repeats=2, backward=None):
+        measured.append(backward)
+        return {"sdpa": 1.0, "sq": 0.7}[backward]
+
+    monkeypatch.setattr(probe, "time_attention", timed)
+    back, rec = probe.attention_backward_choice(9, 64, 512, torch.bfloat16, cpu, 64)
+    assert back == "sq" and rec == {"why": "probe", "seconds": {"sdpa": 1.0, "sq": 0.7}} and measured == ["sdpa", "sq"]
+    path = probe.attention_backward_probe_file(9, 64, 512, 64, torch.bfloat16, cpu)
+    assert json.loads(path.read_text()) == {"sdpa": 1.0, "sq": 0.7}
+    path.write_text(json.dumps({"sdpa": 1.0, "sq": 0.95}))  # within the margin: SDPA's
+    assert probe.attention_backward_choice(9, 64, 512, torch.bfloat16, cpu, 64)[0] == "sdpa" and len(measured) == 2
+    assert probe.attention_backward_choice(9, 64, 512, torch.bfloat16, cpu, None) == ("sdpa", {})  # not chunked
+    assert probe.attention_backward_choice(9, 64, 512, torch.bfloat16, torch.device("cuda"), 64) == ("sdpa", {})
+    assert probe.attention_backward_choice(9, 64, 512, torch.bfloat16, cpu, 64, recorded="sq") == (
+        "sq", {"why": "recorded"})
+
+
+def _hand_backward_jobs(rank, world, jobs):
+    """``quantize_jobs``, and how many times the hand backward ran."""
+    calls = []
+    real = attention._CausalChunks.backward
+
+    def counting(ctx, dout):
+        calls.append(1)
+        return real(ctx, dout)
+
+    attention._CausalChunks.backward = staticmethod(counting)
+    return quantize_jobs(rank, world, jobs), len(calls)
+
+
+def test_signround_steps_through_the_backward_its_probe_chose(tmp_path, monkeypatch):
+    src = build_llama(tmp_path / "llama", dtype=torch.bfloat16)
+    job = dict(model=str(src), scheme="W4A16", algo="signround", iters=2, batch_size=4, group_size=16, nsamples=4,
+               seqlen=128, calib_dtype="mixed")
+    cpu = torch.device("cpu")
+    for name, wins in (("sq", {"sdpa": 1.0, "sq": 0.5}), ("sdpa", {"sdpa": 0.5, "sq": 1.0})):
+        monkeypatch.setenv("SQ_CACHE_DIR", str(tmp_path / f"cache-{name}"))
+        chunks = {"none": 1.0, **{str(c): 0.5 if c == 32 else 2.0 for c in probe.ATTN_CHUNKS if 4 * c <= 128}}
+        for path, secs in ((probe.attention_probe_file(4, 16, 128, torch.bfloat16, cpu), chunks),
+                           (probe.attention_backward_probe_file(4, 16, 128, 32, torch.bfloat16, cpu), wins)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(secs))
+        [(res, calls)] = run_ranks(_hand_backward_jobs, 1, [dict(output=str(tmp_path / name), **job)], timeout=300)
+        assert res == [None] and (calls > 0) == (name == "sq"), (name, calls)
+        rep = _report(tmp_path / name)
+        assert rep["speed"]["attention_backward"]["backward"] == name and rep["speed"]["attention"]["chunk"] == 32
+        assert rep["run_signature"]["args"]["attn_backward"] == name

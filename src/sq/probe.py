@@ -35,8 +35,8 @@ from sq.quant.gptq import bf16_operand_products, bf16_products_available, sym_pr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Choice", "attention_chunk_choice", "attention_probe_file", "calib_dtype_choice", "hessian_probe_file",
-           "hessian_products_choice", "machine", "time_attention", "time_hessian", "time_linears"]
+__all__ = ["Choice", "attention_chunk_choice", "attention_probe_file", "calib_dtype_choice", "attention_backward_choice",
+           "attention_backward_probe_file", "hessian_probe_file", "hessian_products_choice", "machine", "time_attention", "time_hessian", "time_linears"]
 
 # CPU flags recorded beside a run's timings (docs/benchmarks.md names machines by them); never a rule
 _RECORDED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "fma")
@@ -59,6 +59,9 @@ class Choice:
     # causal attention in query chunks of this many (sq.quant.attention), or one call; the probe's record
     attn_chunk: int | None = None
     attn: dict = field(default_factory=dict)
+    # the chunks' backward where gradients flow (SignRound): SDPA's or sq's (sq.quant.attention); the probe's record
+    attn_backward: str = "sdpa"
+    attn_bwd: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -70,6 +73,8 @@ class Choice:
             out["autocast"] = str(self.autocast).removeprefix("torch.")
         if self.attn:
             out["attention"] = {"chunk": self.attn_chunk, **self.attn}
+        if self.attn_bwd:
+            out["attention_backward"] = {"backward": self.attn_backward, **self.attn_bwd}
         return out
 
 
@@ -208,17 +213,23 @@ ATTN_PROBE_TOKENS = 1024  # a longer window is probed at this length (longer one
 
 
 def time_attention(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device,
-                   chunk: int | None, repeats: int = 2) -> float:
+                   chunk: int | None, repeats: int = 2, backward: str | None = None) -> float:
     """Seconds for causal attention over ``tokens`` in ``heads`` heads of ``head_dim``: one call with
     ``is_causal``, or one per query chunk of ``chunk`` over the keys it can see (the best of ``repeats``
-    passes after an untimed one)."""
+    passes after an untimed one); with ``backward`` (``"sdpa"`` or ``"sq"``: ``causal_chunks``'), forward
+    and backward."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, heads, tokens, head_dim, generator=g, device=device).to(dtype)
+    if backward is not None:
+        q.requires_grad_()
     best = float("inf")
     for r in range(repeats + 1):
         t = time.perf_counter()
         if chunk is None:
             torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        elif backward is not None:
+            with torch.enable_grad():
+                causal_chunks(q, q, q, chunk, backward=backward).sum().backward()
         else:
             causal_chunks(q, q, q, chunk)
         if device.type == "cuda":
@@ -316,3 +327,32 @@ def hessian_products_choice(widths: list[int], dtype: torch.dtype | None, device
                 f"{secs[0] * 1e3:.1f} ms" if math.isfinite(secs[0]) else "unavailable", secs[1] * 1e3,
                 ", cached" if cached else "")
     return on, {"why": "probe", "seconds": {k: round(t, 6) if math.isfinite(t) else None for k, t in zip(keys, secs)}}
+
+
+def attention_backward_probe_file(heads: int, head_dim: int, tokens: int, chunk: int, dtype: torch.dtype,
+                                  device: torch.device):
+    """Where the attention backward probe's seconds are kept (``{"sdpa": s, "sq": s}``), per machine and shape."""
+    return _probe_path({"attention_backward": [min(heads, ATTN_PROBE_HEADS), head_dim, min(tokens, ATTN_PROBE_TOKENS),
+                                               chunk], "dtype": str(dtype), "torch": torch.__version__,
+                        "machine": _processor(), "node": platform.node(), "device": str(device.type)})
+
+
+def attention_backward_choice(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device,
+                              chunk: int | None, recorded: str | None = None) -> tuple[str, dict]:
+    """The backward of the chunked causal attention where gradients flow through the forwards (SignRound's
+    steps): SDPA's (``"sdpa"``) or ``sq.quant.attention._CausalChunks``' (``"sq"``), with the probe's seconds.
+    ``recorded``: a run of this job's, taken as it is.  Timed forward and backward at ``chunk`` on CPU; ``"sq"``
+    must win by ``MARGIN`` (the two round differently).  Collective where it measures: call on every rank."""
+    if recorded in ("sdpa", "sq"):
+        return recorded, {"why": "recorded"}
+    if device.type != "cpu" or not chunk:
+        return "sdpa", {}
+    n, h = min(tokens, ATTN_PROBE_TOKENS), min(heads, ATTN_PROBE_HEADS)
+    keys = ("sdpa", "sq")
+    secs, cached = _agreed(attention_backward_probe_file(heads, head_dim, tokens, chunk, dtype, device), keys,
+                           lambda: [time_attention(h, head_dim, n, dtype, device, chunk, backward=b) for b in keys])
+    backward = "sq" if secs[1] * MARGIN < secs[0] else "sdpa"
+    logger.info("causal attention's backward: %s (a probe of %d heads x %d tokens in chunks of %d: SDPA's %.1f ms, "
+                "sq's %.1f ms%s)", "sq's" if backward == "sq" else "SDPA's", h, n, chunk, secs[0] * 1e3, secs[1] * 1e3,
+                ", cached" if cached else "")
+    return backward, {"why": "probe", "seconds": {k: round(t, 6) for k, t in zip(keys, secs)}}

@@ -67,7 +67,8 @@ from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.gptq import use_bf16_products
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
-from sq.probe import Choice, attention_chunk_choice, calib_dtype_choice, hessian_products_choice, machine
+from sq.probe import (Choice, attention_backward_choice, attention_chunk_choice, calib_dtype_choice,
+                      hessian_products_choice, machine)
 from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search, cost_dtype, search_problems
@@ -148,11 +149,10 @@ class _Pipeline:
             self.choice = self._calib_dtype()
         sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # what the forwards actually compute in, resolved
-            sig["args"]["calib_dtype"] = self.choice.name if self.choice is not None else "model"
-            sig["args"]["attn_chunk"] = (self.choice.attn_chunk if self.choice is not None else None) or 0
-            bf16, why = self._hessian_products()
+            c, (bf16, why) = self.choice, self._hessian_products()
+            sig["args"].update(calib_dtype=c.name if c else "model", attn_chunk=(c.attn_chunk if c else None) or 0,
+                               attn_backward=c.attn_backward if c else "sdpa", hessian_products="bf16" if bf16 else "float32")
             self.hessian = {"products": "bf16" if bf16 else "float32", **why} if why else {}
-            sig["args"]["hessian_products"] = "bf16" if bf16 else "float32"
             use_bf16_products(bf16)  # this job's Hessians (and the time preflight's measure of them)
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         if cfg.preflight and not problems:  # a job refused already is not sized (its schemes may not apply)
@@ -181,10 +181,13 @@ class _Pipeline:
         choice = calib_dtype_choice(self.cfg.calib_dtype, self.targets.linear_shapes(3), self.weight_dtype,
                                     self.device, recorded=recorded if recorded in ("float32", "model", "mixed") else None,
                                     half=self.algo.half_forwards)
-        chunk = args.get("attn_chunk")
-        choice.attn_chunk, choice.attn = attention_chunk_choice(
-            *attention_shape(self.model), self.cfg.seqlen, choice.autocast or choice.dtype or self.weight_dtype
-            or torch.float32, self.device, recorded=chunk if isinstance(chunk, int) else None)
+        chunk, shape = args.get("attn_chunk"), (*attention_shape(self.model), self.cfg.seqlen,
+                                                  choice.autocast or choice.dtype or self.weight_dtype or torch.float32)
+        choice.attn_chunk, choice.attn = attention_chunk_choice(*shape, self.device,
+                                                                recorded=chunk if isinstance(chunk, int) else None)
+        if self.algo.half_forwards == "mixed":  # its gradients flow through the forwards (SignRound's steps)
+            choice.attn_backward, choice.attn_bwd = attention_backward_choice(*shape, self.device, choice.attn_chunk,
+                                                                              recorded=args.get("attn_backward"))
         return choice
 
     def _hessian_products(self) -> tuple[bool, dict]:
@@ -563,7 +566,7 @@ def _run_blocks(p: _Pipeline) -> dict:
     n_blocks = len(p.targets.blocks)
     logger.info("quantizing %s -> %s on %d rank(s): %d Linears, %d expert groups", weights.describe(), p.out,
                 p.world, sum(len(ls) for ls in p.targets.linears), sum(len(es) for es in p.targets.experts))
-    use_sdpa(model, p.choice.attn_chunk if p.choice is not None else None)
+    use_sdpa(model, *((p.choice.attn_chunk, p.choice.attn_backward) if p.choice is not None else (None,)))
     start = p.restart_point()
     if parallelize is not None:
         parallelize(p.compute_dtype)
