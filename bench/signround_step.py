@@ -1,6 +1,7 @@
 """One SignRound tuning step of one demo:smollm2 block, timed (docs/benchmarks.md, "Where a SignRound step goes").
 
     .venv/bin/python bench/signround_step.py                      # mixed (the CPU default), chunks of 64
+    .venv/bin/python bench/signround_step.py --backward sdpa      # the chunks' backward SDPA's (default: sq's)
     .venv/bin/python bench/signround_step.py --compile            # torch.compile of the block's forward
     .venv/bin/python bench/signround_step.py --no-float32-copy    # gathered bf16 weights straight to autocast
     .venv/bin/python bench/signround_step.py --profile            # torch.profiler's table of the step
