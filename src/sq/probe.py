@@ -13,6 +13,10 @@ the same choice.  The times are kept per machine and shape in the sq cache
 (``$SQ_CACHE_DIR/probes``), so later jobs on the machine -- and a test suite's many jobs -- choose the
 same way without measuring again (delete the folder to measure again); a resumed run takes the choice
 its signature recorded.  On GPU the model's dtype is kept without a probe.
+
+The same way, each timed at the job's shapes, averaged over ranks, cached, recorded for resume: the causal
+attention's query chunk and, where gradients flow, its backward (``sq.quant.attention``), and GPTQ's Hessian
+products of bf16 inputs, bf16 operands or float32 (``sq.quant.gptq.use_bf16_products``).
 """
 
 from __future__ import annotations
