@@ -193,6 +193,14 @@ def test_hand_backward_is_the_attention_gradient(dtype, heads, kv, tokens, chunk
         assert a.dtype == dtype and err(a) < 1.5 * err(s) + 1e-3, (err(a), err(s))
 
 
+def test_hand_backward_only_within_its_memory_bound(monkeypatch):
+    """A chunk's scores held four times past ``HAND_BACKWARD_BYTES``: SDPA's backward instead."""
+    q = torch.randn(2, 4, 64, 8, requires_grad=True)
+    assert type(attention.causal_chunks(q, q, q, 16, backward="sq").grad_fn).__name__ == "_CausalChunksBackward"
+    monkeypatch.setattr(attention, "HAND_BACKWARD_BYTES", 2 * 4 * 16 * 64 * 12 - 1)
+    assert type(attention.causal_chunks(q, q, q, 16, backward="sq").grad_fn).__name__ == "CatBackward0"
+
+
 def test_hand_backward_under_autocast_takes_what_sdpa_would():
     """Rotary embeddings leave queries and keys float32 under autocast, values bf16: SDPA's autocast casts them
     all; the hand backward does the same, and the gradients flow back to each input in its own dtype."""

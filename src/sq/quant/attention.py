@@ -22,11 +22,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["IMPL", "attention_shape", "causal_chunks", "sdpa", "use_sdpa"]
+__all__ = ["HAND_BACKWARD_BYTES", "IMPL", "attention_shape", "causal_chunks", "sdpa", "use_sdpa"]
 
 IMPL = "sq_sdpa"
 _chunk: int | None = None  # queries per chunk for the model the job set IMPL on (use_sdpa)
 _backward = "sdpa"  # the chunks' backward where a gradient flows: SDPA's, or "sq" (_CausalChunks; use_sdpa)
+# _CausalChunks' backward holds a chunk's scores four times (float32 scores and score gradients, their bf16
+# copies: 12 bytes per query-key pair); past this, SDPA's backward (tiled, no such buffers) is taken instead
+HAND_BACKWARD_BYTES = 256 << 20
 
 
 def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
@@ -50,13 +53,14 @@ def causal_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     ``chunk`` queries at a time (the causal mask on the diagonal block); keys and values may have fewer
     heads (grouped).  What the job's attention runs, and what the probe times.  ``backward="sq"``: where a
     gradient is wanted on CPU, the same forward with ``_CausalChunks``' backward instead of SDPA's."""
+    n = query.shape[2]
     if (backward == "sq" and query.device.type == "cpu" and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (query, key, value))):
+            and any(t.requires_grad for t in (query, key, value))
+            and query.shape[0] * query.shape[1] * min(chunk, n) * n * 12 <= HAND_BACKWARD_BYTES):
         if torch.is_autocast_enabled("cpu"):  # as autocast would cast them for SDPA (rotary leaves q, k float32)
             query, key, value = (t.to(torch.get_autocast_dtype("cpu")) for t in (query, key, value))
         if query.dtype == key.dtype == value.dtype:
             return _CausalChunks.apply(query, key, value, chunk, scale)
-    n = query.shape[2]
     pos = torch.arange(n, device=query.device)
     gqa = key.shape[1] != query.shape[1]
     outs = []
