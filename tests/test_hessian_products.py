@@ -4,6 +4,7 @@
   forms are timed on the job's widths and cached, and bf16 operands are taken only where they win by the
   margin and the CPU has them.
 - The process-wide setting is what ``GPTQ.add_batch`` multiplies in (oneDNN's bf16 mode on or off).
+- A job without Hessians (AWQ) neither measures their products nor records a choice.
 - In a job on a bf16 model: the probe's choice is in the report and the run signature; killed and resumed
   after the machine's cached times were flipped, the rerun multiplies as the run it continues and ends
   bit-identical to an uninterrupted run that chose the same.
@@ -116,3 +117,19 @@ def test_a_job_records_its_choice_and_a_resumed_run_keeps_it(tmp_path, monkeypat
         assert rep["speed"]["hessian"]["products"] == products and rep["speed"]["hessian"]["why"] == "probe"
         assert rep["run_signature"]["args"]["hessian_products"] == products
     assert _same_bits(out, tmp_path / "bf16") == []
+
+
+def test_a_job_without_hessians_neither_measures_nor_records_them(tmp_path):
+    """AWQ on a bf16 model computes no Hessian: no probe of their products, none in its signature or report."""
+    src = build_llama(tmp_path / "llama", dtype=torch.bfloat16)
+    cache, out = tmp_path / "cache", tmp_path / "o"
+    res = run_cli(["sq.ptq", "--model", str(src), "--output", str(out), "--algo", "awq", "--group-size", "16",
+                   "--nsamples", "8", "--seqlen", "32", "--calib-dtype", "model", "--timeout", "60"], 2, timeout=300,
+                  env={"SQ_CACHE_DIR": str(cache)})
+    assert res.returncode == 0, res.output[-3000:]
+    assert "GPTQ Hessian products" not in res.output
+    measured = [json.loads(f.read_text()) for f in (cache / "probes").glob("*.json")]
+    assert not [m for m in measured if set(m) == {"bf16", "float32"}]
+    report = json.loads((out / "sq_report.json").read_text())
+    assert "hessian" not in report["speed"] and "hessian_products" not in report["run_signature"]["args"]
+    assert report["run_signature"]["args"]["calib_dtype"] == "model"

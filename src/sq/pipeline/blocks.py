@@ -54,15 +54,8 @@ from sq.quant.attention import attention_shape, use_sdpa
 from sq.quant.algorithms import make_algorithm
 from sq.quant.rtn import rtn_rows
 from sq.quant.work import BlockWork, Solved, err_terms
-from sq.quant.experts import (
-    SlotStats,
-    export_experts,
-    export_slots,
-    is_ep_param,
-    segment_rows,
-    slot_rows,
-    take_solved,
-)
+from sq.quant.experts import (SlotStats, export_experts, export_slots, is_ep_param, segment_rows, slot_rows,
+                               take_solved)
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.gptq import use_bf16_products
 from sq.quant.recipe import Assigner, scheme_tag
@@ -145,13 +138,19 @@ class _Pipeline:
         if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
             problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
                             "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
+        # the choices an earlier run in this folder recorded (its signature's args): one read, one collective
+        args = ((self.run.recorded_signature() or {}).get("args") or {}
+                if self.calibrated and cfg.resume != "never" else {})
         if self.calibrated and self.parallelize is not None:
-            self.choice = self._calib_dtype()
+            self.choice = self._calib_dtype(args)
         sig = _signature(cfg, self.calibrated, self.assigner, self.targets, self.weights, self.data, self.world)
         if self.calibrated:  # what the forwards actually compute in, resolved
-            c, (bf16, why) = self.choice, self._hessian_products()
+            c = self.choice
             sig["args"].update(calib_dtype=c.name if c else "model", attn_chunk=(c.attn_chunk if c else None) or 0,
-                               attn_backward=c.attn_backward if c else "sdpa", hessian_products="bf16" if bf16 else "float32")
+                               attn_backward=c.attn_backward if c else "sdpa")
+        if self.calibrated and self.algo.sweeps:  # GPTQ's family: its Hessians' products, resolved
+            bf16, why = self._hessian_products(args)
+            sig["args"]["hessian_products"] = "bf16" if bf16 else "float32"
             self.hessian = {"products": "bf16" if bf16 else "float32", **why} if why else {}
             use_bf16_products(bf16)  # this job's Hessians (and the time preflight's measure of them)
         problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
@@ -173,10 +172,9 @@ class _Pipeline:
     def autocast(self) -> torch.dtype | None:
         return self.choice.autocast if self.choice is not None else None
 
-    def _calib_dtype(self) -> Choice:
-        """``--calib-dtype`` and the attention's query chunks: as given, as this folder's run recorded them, or
-        measured (``sq.probe``)."""
-        args = (self.run.recorded_signature() or {}).get("args") or {} if self.cfg.resume != "never" else {}
+    def _calib_dtype(self, args: dict) -> Choice:
+        """``--calib-dtype`` and the attention's query chunks: as given, as this folder's run recorded them
+        (``args``), or measured (``sq.probe``)."""
         recorded = args.get("calib_dtype") if self.cfg.calib_dtype == "auto" else None
         choice = calib_dtype_choice(self.cfg.calib_dtype, self.targets.linear_shapes(3), self.weight_dtype,
                                     self.device, recorded=recorded if recorded in ("float32", "model", "mixed") else None,
@@ -190,9 +188,8 @@ class _Pipeline:
                                                                               recorded=args.get("attn_backward"))
         return choice
 
-    def _hessian_products(self) -> tuple[bool, dict]:
+    def _hessian_products(self, args: dict) -> tuple[bool, dict]:
         """GPTQ's Hessian products of bf16 inputs: as bf16 operands or float32 (``sq.probe``), or as recorded."""
-        args = (self.run.recorded_signature() or {}).get("args") or {} if self.cfg.resume != "never" else {}
         return hessian_products_choice([i for i, _ in self.targets.linear_shapes()], self.compute_dtype
                                        or self.weight_dtype, self.device,
                                        recorded={"bf16": True, "float32": False}.get(args.get("hessian_products")))
