@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_ranks
+from harness import run_python, run_ranks
 from quant_ref import quantize_jobs
 from sq import probe
 from sq.quant import attention
@@ -197,8 +197,10 @@ def test_hand_backward_only_within_its_memory_bound(monkeypatch):
     """A chunk's scores held four times past ``HAND_BACKWARD_BYTES``: SDPA's backward instead."""
     q = torch.randn(2, 4, 64, 8, requires_grad=True)
     assert type(attention.causal_chunks(q, q, q, 16, backward="sq").grad_fn).__name__ == "_CausalChunksBackward"
+    assert attention.hand_backward_bytes(2, 4, 64, 16) == 2 * 4 * 16 * 64 * 12
     monkeypatch.setattr(attention, "HAND_BACKWARD_BYTES", 2 * 4 * 16 * 64 * 12 - 1)
     assert type(attention.causal_chunks(q, q, q, 16, backward="sq").grad_fn).__name__ == "CatBackward0"
+    assert attention.hand_backward_bytes(2, 4, 64, 16) == 0  # nothing held: the memory preflight counts none
 
 
 def test_hand_backward_under_autocast_takes_what_sdpa_would():
@@ -267,3 +269,32 @@ def test_signround_steps_through_the_backward_its_probe_chose(tmp_path, monkeypa
         rep = _report(tmp_path / name)
         assert rep["speed"]["attention_backward"]["backward"] == name and rep["speed"]["attention"]["chunk"] == 32
         assert rep["run_signature"]["args"]["attn_backward"] == name
+    # the memory preflight counts what sq's backward holds (one rank: all 4 windows a step, 4 heads, chunks of 32)
+    sq_mem, sdpa_mem = (_report(tmp_path / name)["memory"] for name in ("sq", "sdpa"))
+    assert sq_mem["phase"] == sdpa_mem["phase"] == "solve"
+    assert sq_mem["algorithm"] - sdpa_mem["algorithm"] == attention.hand_backward_bytes(4, 4, 128, 32) == 4 * 4 * 32 * 128 * 12
+
+
+def test_plan_counts_the_backward_at_any_chunk_its_probe_may_choose(tmp_path, monkeypatch):
+    """``sq.plan`` cannot know the probe's chunk before the job: for SignRound on CPU it counts sq's backward at
+    the chunk that holds the most (here 64 of 32, 64), where the job, told 32 and sq's backward, counts 32's."""
+    src = build_llama(tmp_path / "llama", dtype=torch.bfloat16)
+    cache, cpu = tmp_path / "cache", torch.device("cpu")
+    monkeypatch.setenv("SQ_CACHE_DIR", str(cache))
+    for path, secs in ((probe.attention_probe_file(4, 16, 256, torch.bfloat16, cpu), {"none": 1.0, "32": 0.5, "64": 2.0}),
+                       (probe.attention_backward_probe_file(4, 16, 256, 32, torch.bfloat16, cpu), {"sdpa": 1.0, "sq": 0.5})):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(secs))
+    args = ["--model", str(src), "--scheme", "W4A16", "--algo", "signround", "--iters", "1", "--batch-size", "4",
+            "--group-size", "16", "--nsamples", "4", "--seqlen", "256", "--calib-dtype", "mixed"]
+    env = {"SQ_CACHE_DIR": str(cache)}
+    planned = run_python(["sq.plan", "--output", str(tmp_path / "o"), "--json", *args], timeout=300, env=env)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    plan = json.loads(planned.stdout.strip().splitlines()[-1])["memory"]
+    res = run_python(["sq.ptq", "--output", str(tmp_path / "o"), *args], timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    job = _report(tmp_path / "o")
+    assert job["speed"]["attention"]["chunk"] == 32 and job["speed"]["attention_backward"]["backward"] == "sq"
+    assert plan["phase"] == job["memory"]["phase"] == "solve"
+    held = [attention.hand_backward_bytes(4, 4, 256, c) for c in (32, 64)]
+    assert plan["algorithm"] - job["memory"]["algorithm"] == held[1] - held[0] > 0

@@ -78,6 +78,7 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     from sq.pipeline.preflight import job_times, machine_rates
     from sq.pipeline.targets import plan_targets
     from sq.pipeline.weights import CheckpointWeights
+    from sq.probe import attention_chunks
     from sq.quant.algorithms import make_algorithm
     from sq.resolve import resolve_model
 
@@ -127,7 +128,10 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     memory = predict_memory(model, targets, algo, base=rss_bytes(), world=world, ep=ep, nsamples=cfg.nsamples,
                             seqlen=cfg.seqlen, calibrated=calibrated, compute_dtype=chain_dtype,
                             weight_dtype=weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts, device=device,
-                            bookkeeping=cfg.bookkeeping, carried=carried_bytes(load, weight_dtype, largest=True))
+                            bookkeeping=cfg.bookkeeping, carried=carried_bytes(load, weight_dtype, largest=True),
+                            # sq's attention backward at any query chunk its probe may choose (SignRound on CPU)
+                            hand_chunks=attention_chunks(cfg.seqlen) if device == "cpu" and calibrated
+                            and algo.half_forwards == "mixed" else ())
     stated = gpu_memory if device == "cuda" else host_memory
     mem_problems, mem_facts = memory_problems(
         memory, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),

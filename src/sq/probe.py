@@ -39,7 +39,7 @@ from sq.quant.gptq import bf16_operand_products, bf16_products_available, sym_pr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Choice", "attention_chunk_choice", "attention_probe_file", "calib_dtype_choice", "attention_backward_choice",
+__all__ = ["Choice", "attention_chunk_choice", "attention_chunks", "attention_probe_file", "calib_dtype_choice", "attention_backward_choice",
            "attention_backward_probe_file", "hessian_probe_file", "hessian_products_choice", "machine", "time_attention", "time_hessian", "time_linears"]
 
 # CPU flags recorded beside a run's timings (docs/benchmarks.md names machines by them); never a rule
@@ -251,6 +251,11 @@ def attention_probe_file(heads: int, head_dim: int, tokens: int, dtype: torch.dt
                         "node": platform.node(), "device": str(device.type)})
 
 
+def attention_chunks(tokens: int) -> tuple[int, ...]:
+    """The query chunks the attention probe chooses among for windows of ``tokens`` (at least four chunks)."""
+    return tuple(c for c in ATTN_CHUNKS if 4 * c <= tokens)
+
+
 def attention_chunk_choice(heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device,
                            recorded: int | None = None) -> tuple[int | None, dict]:
     """Query chunk for the calibration forwards' causal attention (``sq.quant.attention``), or None (one
@@ -259,7 +264,7 @@ def attention_chunk_choice(heads: int, head_dim: int, tokens: int, dtype: torch.
     call by ``MARGIN``.  Collective where it measures: call on every rank."""
     if recorded is not None:
         return recorded or None, {"why": "recorded"}
-    chunks = [c for c in ATTN_CHUNKS if 4 * c <= tokens]
+    chunks = list(attention_chunks(tokens))
     if device.type != "cpu" or not chunks or heads < 1 or head_dim < 1:
         return None, {}
     n, h = min(tokens, ATTN_PROBE_TOKENS), min(heads, ATTN_PROBE_HEADS)

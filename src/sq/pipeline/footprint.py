@@ -50,6 +50,7 @@ from torch import nn
 from sq.anatomy import EXPERT_PARAMS, experts_modules, partner_groups
 from sq.memory import HEAP_KEEP, HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
 from sq.pipeline.disk import block_output_bytes, size
+from sq.quant.attention import attention_shape
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE, CALIB_BATCH
 
 __all__ = ["BlockShape", "MemoryFacts", "predict_memory", "predict_ranks", "memory_problems", "available_host_bytes", "Buffers",
@@ -106,6 +107,10 @@ class MemoryFacts:
     ep: int
     calibrate_all_experts: bool
     rank: int = 0
+    heads: int = 0  # the attention's query heads
+    # the query chunks sq's attention backward may run at where a step's gradients flow through the attention
+    # (SignRound on CPU: the job's probed chunk, or every one the probe may choose; none: SDPA's backward)
+    hand_chunks: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -174,12 +179,13 @@ def predict_memory(model: nn.Module, targets, algo, *, rank: int | None = None, 
 def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: int, ep: int, nsamples: int,
                   seqlen: int, calibrated: bool, compute_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
                   calibrate_all_experts: bool = True, device: str = "cpu", resident: bool = False,
-                  bookkeeping: bool = True, carried: int = 0) -> dict[int, dict]:
+                  bookkeeping: bool = True, carried: int = 0, hand_chunks: tuple[int, ...] = ()) -> dict[int, dict]:
     """Each of ``ranks``' predicted peak and its parts (bytes), by rank: what does not depend on the rank (the
     block, the chain, the activations) is counted once per distinct block, only the algorithm's part per rank.
     ``resident``: the weights are in memory already (the Python API's model), so in ``base``: no root or shard
     to fill.  ``carried``: the bytes of the largest checkpoint tensor the model has no slot for (an MTP layer's), in
-    the model's dtype (FP8 ones dequantized): rank 0 writes them at the end, one at a time (:func:`carried_bytes`)."""
+    the model's dtype (FP8 ones dequantized): rank 0 writes them at the end, one at a time (:func:`carried_bytes`).
+    ``hand_chunks``: ``MemoryFacts.hand_chunks``."""
     ranks = list(ranks)
     wb, cb = _bytes(weight_dtype), _bytes(compute_dtype or weight_dtype)
     hidden = int(model.get_input_embeddings().weight.shape[-1])
@@ -196,7 +202,8 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
         if key in seen:  # repeated blocks: the same prediction
             continue
         seen.add(key)
-        facts = MemoryFacts(shape, samples, seqlen, hidden, cb, wb, world, ep, calibrate_all_experts)
+        facts = MemoryFacts(shape, samples, seqlen, hidden, cb, wb, world, ep, calibrate_all_experts,
+                            heads=attention_shape(model)[0], hand_chunks=hand_chunks)
         step = facts.step_tokens
         # the previous block's files, written in the background while this one computes: this rank's share of
         # its tensors, and the same serialized in memory (sq.export.writer.write_shard)

@@ -30,7 +30,9 @@ def memory_preflight(p) -> tuple[list[str], dict]:
     kw = dict(base=rss_bytes(), world=p.world, ep=cfg.ep or 1, nsamples=cfg.nsamples, seqlen=cfg.seqlen,
               calibrated=p.calibrated, compute_dtype=p.compute_dtype or p.weight_dtype, weight_dtype=p.weight_dtype,
               calibrate_all_experts=cfg.calibrate_all_experts, device=p.device.type, resident=p.weights.in_memory,
-              bookkeeping=cfg.bookkeeping, carried=carried_bytes(getattr(p.weights, "plan", None), p.weight_dtype, largest=True))
+              bookkeeping=cfg.bookkeeping, carried=carried_bytes(getattr(p.weights, "plan", None), p.weight_dtype, largest=True),
+              hand_chunks=(p.choice.attn_chunk,) if p.choice is not None and p.choice.attn_backward == "sq"
+              and p.choice.attn_chunk else ())
     every = predict_ranks(p.model, p.targets, p.algo, ranks=range(p.world) if p.algo.rank_dependent_memory else [p.rank],
                           **kw)
     mine, worst = every[p.rank], max(every.values(), key=lambda m: m["predicted_peak_rank0_bytes"])

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["HAND_BACKWARD_BYTES", "IMPL", "attention_shape", "causal_chunks", "sdpa", "use_sdpa"]
+__all__ = ["HAND_BACKWARD_BYTES", "IMPL", "attention_shape", "causal_chunks", "hand_backward_bytes", "sdpa", "use_sdpa"]
 
 IMPL = "sq_sdpa"
 _chunk: int | None = None  # queries per chunk for the model the job set IMPL on (use_sdpa)
@@ -47,6 +47,14 @@ def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.transpose(1, 2).contiguous(), None  # [batch, queries, heads, dim], as transformers
 
 
+def hand_backward_bytes(batch: int, heads: int, tokens: int, chunk: int) -> int:
+    """What ``_CausalChunks``' backward holds at once in a call over ``[batch, heads, tokens]`` in query chunks
+    of ``chunk``: a chunk's scores, probabilities and their gradients, 12 bytes a query-key pair.  0 where
+    that is over ``HAND_BACKWARD_BYTES``: SDPA's tiled backward runs there instead."""
+    held = batch * heads * min(chunk, tokens) * tokens * 12
+    return held if held <= HAND_BACKWARD_BYTES else 0
+
+
 def causal_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: int,
                   scale: float | None = None, backward: str = "sdpa") -> torch.Tensor:
     """Causal SDPA over ``[batch, heads, tokens, dim]`` with queries ``[s, e)`` against keys ``[0, e)`` only,
@@ -56,7 +64,7 @@ def causal_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     n = query.shape[2]
     if (backward == "sq" and query.device.type == "cpu" and torch.is_grad_enabled()
             and any(t.requires_grad for t in (query, key, value))
-            and query.shape[0] * query.shape[1] * min(chunk, n) * n * 12 <= HAND_BACKWARD_BYTES):
+            and hand_backward_bytes(query.shape[0], query.shape[1], n, chunk)):
         if torch.is_autocast_enabled("cpu"):  # as autocast would cast them for SDPA (rotary leaves q, k float32)
             query, key, value = (t.to(torch.get_autocast_dtype("cpu")) for t in (query, key, value))
         if query.dtype == key.dtype == value.dtype:

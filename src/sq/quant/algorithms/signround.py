@@ -16,6 +16,7 @@ from sq.quant.recipe import scheme_tag
 from sq.parallel.collectives import dim0_counts
 from sq.parallel.fsdp import unsharded
 from sq.quant.experts import whole_rows_stats
+from sq.quant.attention import hand_backward_bytes
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE
 from sq.quant.signround import SignRoundConfig, TunedWeight, tunable, tune_block
 
@@ -74,15 +75,16 @@ class SignRoundAlgorithm(Algorithm):
         """Its tuning loop (in place of a forward's activations): both chains again, each concatenated; the
         tuned rounding of this rank's rows with its gradient and the best one kept (float32); the quantized
         weights gathered whole for each step's forward; what one step's backward keeps of its forward
-        (float32 under autocast)."""
+        (float32 under autocast); sq's attention backward's scores where it may run (``hand_backward_bytes``)."""
         b, cb = facts.block, facts.compute_bytes
         share = min(math.ceil(self.config.batch_size / facts.world), facts.samples)
         saved = 2 * share * facts.seqlen * 4
+        scores = max((hand_backward_bytes(share, facts.heads, facts.seqlen, c) for c in facts.hand_chunks), default=0)
         tuned = [(math.ceil(o / facts.world) * i * 4, 3) for i, o in b.linears]
         tuned += [(math.ceil(n * 3 * h * i / facts.world) * 4, 3) for n, h, i in b.experts_modules]
         gathered = [(i * o * cb, 1) for i, o in b.linears] + [(n * 3 * h * i * cb, 1) for n, h, i in b.experts_modules]
         return [], [(facts.tokens * facts.hidden * cb, 2), *tuned, *gathered,
-                    (saved * facts.hidden, ACT_HIDDEN), (saved * b.widest, ACT_WIDE)]
+                    (saved * facts.hidden, ACT_HIDDEN), (saved * b.widest, ACT_WIDE), (scores, 1)]
 
     def cost(self, facts) -> dict[str, Cost]:
         """Calibrate: the full-precision outputs (a forward), then per step the tuned weights quantized and
