@@ -32,7 +32,7 @@ CASES = {
     "gptq-wide": ("wide", 2, ["--algo", "gptq", "--nsamples", "16", "--seqlen", "256"]),
     "gptq-wide-one-rank": ("wide", 1, ["--algo", "gptq", "--nsamples", "8", "--seqlen", "256"]),
     "signround-wide": ("wide", 2, ["--algo", "signround", "--iters", "2", "--nsamples", "16", "--seqlen", "256"]),
-    "awq-wide": ("wide", 2, ["--algo", "awq", "--nsamples", "16", "--seqlen", "256"]),
+    "awq-wide": ("wide", 2, ["--algo", "awq", "--nsamples", "16", "--seqlen", "256", "--n-grid", "5"]),
     # MOE_WIDE's Qwen3-MoE: 12.6 M expert parameters per block (50 MiB in float32), stacked expert solves
     "moe-gptq-ep2": ("moe_wide", 2, ["--algo", "gptq", "--ep", "2", "--nsamples", "16", "--seqlen", "128"]),
     "moe-gptq-ep1": ("moe_wide", 2, ["--algo", "gptq", "--ep", "1", "--nsamples", "16", "--seqlen", "128"]),
