@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(1500)
 NWINDOWS, SEQLEN = 4, 512
 LINEARS = 30 * 4  # SmolLM2: 30 layers x (qkv_proj, o_proj, gate_up_proj, down_proj) as vLLM fuses them
 # Calibration sized for a serving check, not for quality: the format and the path that writes it are the subject.
-# (GPTQ's search scores 30 blocks x 4 units x 2 candidates, each a GPTQ solve: 97 s at 16 x 256, 50 s at 8 x 128)
+# (GPTQ's search scores 30 blocks x 4 units x 2 candidates, each a GPTQ solve: 97 s of sq's clock at 16 x 256,
+# 56 s of wall at 8 x 128)
 CALIB = {"rtn": [], "gptq": ["--nsamples", "8", "--seqlen", "128"],
          "awq": ["--nsamples", "8", "--seqlen", "128", "--n-grid", "5"],
          "signround": ["--nsamples", "8", "--seqlen", "128", "--iters", "5", "--batch-size", "4"]}

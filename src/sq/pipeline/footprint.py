@@ -189,6 +189,7 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
     ranks = list(ranks)
     wb, cb = _bytes(weight_dtype), _bytes(compute_dtype or weight_dtype)
     hidden = int(model.get_input_embeddings().weight.shape[-1])
+    heads = attention_shape(model)[0]
     in_blocks = {id(p) for _, blk in targets.blocks for p in blk.parameters()}
     root_params = {id(p): p for p in model.parameters() if id(p) not in in_blocks}  # tied once
     root_full = sum(p.numel() for p in root_params.values()) * wb
@@ -203,7 +204,7 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
             continue
         seen.add(key)
         facts = MemoryFacts(shape, samples, seqlen, hidden, cb, wb, world, ep, calibrate_all_experts,
-                            heads=attention_shape(model)[0], hand_chunks=hand_chunks)
+                            heads=heads, hand_chunks=hand_chunks)
         step = facts.step_tokens
         # the previous block's files, written in the background while this one computes: this rank's share of
         # its tensors, and the same serialized in memory (sq.export.writer.write_shard)
