@@ -145,3 +145,22 @@ def test_smollm2_loads_and_scores(smollm2_ckpt):
     # measured 14.705 (torch 2.13 CPU, transformers 5.24, Python 3.11.7): first 4,096 tokens, 9 s (40 windows:
     # 14.004 in 48 s)
     assert 14.705 * 0.97 < ppl < 14.705 * 1.03, ppl
+
+
+def _build_on_rank1(rank: int, world: int, cache: str) -> list[str]:
+    """rank 1 of a live process group builds the demo (transformers 5's save_pretrained writes nothing on a rank
+    other than 0 unless sq tells it to); the others wait."""
+    import torch.distributed as dist
+
+    names: list[str] = []
+    if rank == 1:
+        names = sorted(p.name for p in demo.demo_path("demo:tiny-moe", cache_dir=Path(cache)).iterdir())
+    dist.barrier()
+    return names
+
+
+def test_a_demo_built_by_a_rank_other_than_0_is_complete(tmp_path):
+    from harness import run_ranks
+
+    names = run_ranks(_build_on_rank1, 2, str(tmp_path), timeout=180)[1]
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names), names

@@ -29,7 +29,7 @@ import torch
 
 from sq.errors import SqError
 from sq.files import default_cache_dir, fsync_dir
-from sq.synthetic import build_checkpoint
+from sq.synthetic import build_checkpoint, save_any_rank
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def build_smollm2(out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
-    model.save_pretrained(out_dir, max_shard_size="100MB")
+    save_any_rank(model, out_dir, max_shard_size="100MB")  # (any rank may build it: see save_any_rank)
     tokenizer.save_pretrained(out_dir)
 
 

@@ -125,8 +125,21 @@ def build_checkpoint(
     # transformers fills shards greedily up to max_shard_size, so total/shards gives
     # about `shards` files (a single tensor bigger than the limit gets its own file).
     max_shard = max(1, math.ceil(_state_bytes(model) / max(1, shards)))
-    model.save_pretrained(out_dir, max_shard_size=max_shard, save_original_format=save_original_format)
+    save_any_rank(model, out_dir, max_shard_size=max_shard, save_original_format=save_original_format)
     text_cfg = cfg.get_text_config()
     build_tokenizer(out_dir, tokenizer_vocab_size or text_cfg.vocab_size)
     logger.debug("built a random %s checkpoint in %s", model_type, out_dir)
     return out_dir, cfg
+
+
+def save_any_rank(model, out_dir: Path, **kwargs) -> None:
+    """``model.save_pretrained(out_dir, **kwargs)`` from whichever process calls it: under an initialized
+    process group transformers 5 writes nothing on a rank other than 0 and says nothing
+    (``should_save_on_this_rank``), and a demo or fixture built under a job's lock may be built by any rank."""
+    model.should_save_on_this_rank = lambda is_main_process: True  # (an instance attribute: this model only)
+    try:
+        model.save_pretrained(out_dir, **kwargs)
+    finally:
+        del model.should_save_on_this_rank
+    if not (Path(out_dir) / "config.json").is_file():
+        raise RuntimeError(f"{out_dir}: save_pretrained wrote no config.json")
