@@ -118,7 +118,7 @@ def test_a_job_beyond_this_machine_is_refused_before_it_loads(huge, tmp_path):
                    "--nsamples", "8", "--seqlen", "64"], 2, timeout=300)
     assert res.returncode != 0 and 2 in res.codes, res.output[-4000:]  # the first rank to refuse stops the other
     assert "sq: error: host memory: the 2 rank(s) of one node would need about" in res.output, res.output[-4000:]
-    assert "the largest part is the algorithm: GPTQ's float64 Hessians" in res.output
+    assert "the largest part is the algorithm: GPTQ's float32 Hessians" in res.output
     assert "--no-preflight" in res.output
     assert not out.exists()  # refused before the output folder was claimed
 

@@ -112,6 +112,14 @@ def test_gptq_moe_ep1_equals_ep2_and_loads(checkpoints, tmp_path):
     assert not info["missing_keys"]
     report = json.loads((tmp_path / "ep1" / "sq_report.json").read_text())
     assert report["experts_rtn_fallback"] == 0  # calibrate-all: every expert sees every token
+    ex = report["experts"]  # the policy, stated, and each expert's tokens: routed and calibrated (every token)
+    assert "calibrate-all" in ex["policy"] and ex["rtn"] == []
+    top_k = json.loads((checkpoints["deepseek_v3"] / "config.json").read_text())["num_experts_per_tok"]
+    assert len(ex["tokens"]) == 2  # the two MoE layers
+    for eprefix, t in ex["tokens"].items():
+        assert len(t["routed"]) == len(t["calibrated"]) == 8, eprefix
+        assert set(t["calibrated"]) == {8 * 32}, t  # every calibration token, whichever rank holds it
+        assert sum(t["routed"]) == 8 * 32 * top_k, t  # each token at its top_k experts
     for name, layer in report["layers"].items():
         assert layer["rel_err"] <= layer["rtn_rel_err"] + 1e-9, name
 
@@ -122,6 +130,12 @@ def test_unreached_experts_fall_back_to_rtn_and_are_counted(checkpoints, tmp_pat
                nsamples=2, seqlen=2, calibrate_all_experts=False)], 2)
     report = json.loads((tmp_path / "o" / "sq_report.json").read_text())
     assert 1 <= report["experts_rtn_fallback"] <= 2 * 8
+    ex = report["experts"]  # named, with the policy that sent them to RTN, and every expert's token counts
+    assert "routed" in ex["policy"] and len(ex["rtn"]) == report["experts_rtn_fallback"]
+    for name in ex["rtn"]:
+        prefix, e = name.rsplit(".", 1)
+        assert ex["tokens"][prefix]["calibrated"][int(e)] == 0 == ex["tokens"][prefix]["routed"][int(e)], name
+    assert all(r == c for t in ex["tokens"].values() for r, c in zip(t["routed"], t["calibrated"]))
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])

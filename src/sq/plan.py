@@ -73,7 +73,7 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     from sq.load.meta import build_skeleton
     from sq.memory import rss_bytes
     from sq.parallel.fsdp import main_dtype
-    from sq.pipeline.footprint import carried_bytes, memory_problems, predict_memory
+    from sq.pipeline.footprint import carried_bytes, fitting_layout, memory_problems, predict_memory, with_layout
     from sq.pipeline.job import auto_ep
     from sq.pipeline.preflight import job_times, machine_rates
     from sq.pipeline.targets import plan_targets
@@ -125,19 +125,31 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     need = disk_need(cfg, model, targets, weight_dtype, src, calibrated=calibrated, chain_dtype=chain_dtype,
                      fp_chain=algo.fp_chain)
     problems, facts = disk_problems(Path(cfg.output), need["predicted_output_bytes"] + need["predicted_state_bytes"])
-    memory = predict_memory(model, targets, algo, base=rss_bytes(), world=world, ep=ep, nsamples=cfg.nsamples,
-                            seqlen=cfg.seqlen, calibrated=calibrated, compute_dtype=chain_dtype,
-                            weight_dtype=weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts, device=device,
-                            bookkeeping=cfg.bookkeeping, carried=carried_bytes(load, weight_dtype, largest=True),
-                            # sq's attention backward at any query chunk its probe may choose (SignRound on CPU)
-                            hand_chunks=attention_chunks(cfg.seqlen) if device == "cpu" and calibrated
-                            and algo.half_forwards == "mixed" else ())
+    kw = dict(base=rss_bytes(), nsamples=cfg.nsamples, seqlen=cfg.seqlen, calibrated=calibrated,
+              compute_dtype=chain_dtype, weight_dtype=weight_dtype, calibrate_all_experts=cfg.calibrate_all_experts,
+              device=device, bookkeeping=cfg.bookkeeping, carried=carried_bytes(load, weight_dtype, largest=True),
+              # sq's attention backward at any query chunk its probe may choose (SignRound on CPU)
+              hand_chunks=attention_chunks(cfg.seqlen) if device == "cpu" and calibrated
+              and algo.half_forwards == "mixed" else ())
+    memory = predict_memory(model, targets, algo, world=world, ep=ep, **kw)
     stated = gpu_memory if device == "cuda" else host_memory
-    mem_problems, mem_facts = memory_problems(
-        memory, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),
-        where=None if stated is None else f"--{'gpu' if device == 'cuda' else 'host'}-memory",
-        host_available=None if host_memory is None else int(host_memory * GiB),
-        host_where=None if host_memory is None else "--host-memory")
+
+    def check(pred):
+        return memory_problems(
+            pred, local_world=nproc_per_node, started=False, available=None if stated is None else int(stated * GiB),
+            where=None if stated is None else f"--{'gpu' if device == 'cuda' else 'host'}-memory",
+            host_available=None if host_memory is None else int(host_memory * GiB),
+            host_where=None if host_memory is None else "--host-memory")
+
+    mem_problems, mem_facts = check(memory)
+    if mem_problems:  # name the layout that fits (more nodes like this one; the per-rank share shrinks)
+        def at(w):
+            e = auto_ep(model, w, algo)
+            return predict_memory(model, plan_targets(model, assigner, CheckpointWeights(
+                model, load, src, torch.device("cpu")), w), algo, world=w, ep=e, **kw), e
+
+        fits = fitting_layout(at, world=world, local_world=nproc_per_node, check=lambda pred: check(pred)[0])
+        mem_problems = [with_layout(mem_problems[0], fits or "no layout of up to 1024 ranks fits"), *mem_problems[1:]]
     timing = None
     if rates is not None:
         timing = job_times(model, targets, algo, rates=rates, world=world, ep=ep, plan=load, nsamples=cfg.nsamples,

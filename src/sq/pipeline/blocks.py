@@ -45,16 +45,15 @@ from sq.files import REPORT_PNG, sha256_bytes, shard_name
 from sq.formats import specs
 from sq.formats.compressed import compress_weight
 from sq.load.fill import local_box
-from sq.memory import HeapTrim, PeakPhases, peak_rss_bytes, rss_breakdown
+from sq.memory import HeapTrim, PeakPhases, peak_rss_bytes, rss_breakdown, trim_heap
 from sq.parallel.collectives import dim0_counts, full_tensor, gather_rows
 from sq.parallel.fsdp import main_dtype
 from sq.quant import rtn
 from sq.quant.activations import ActivationObservation, kv_cache_args
 from sq.quant.attention import attention_shape, use_sdpa
 from sq.quant.algorithms import make_algorithm
-from sq.quant.rtn import rtn_rows
-from sq.quant.work import BlockWork, Solved, err_terms
-from sq.quant.experts import (SlotStats, export_experts, export_slots, is_ep_param, segment_rows, slot_rows,
+from sq.quant.work import BlockWork, Solved
+from sq.quant.experts import (SlotStats, experts_report, export_experts, export_slots, is_ep_param, segment_rows, slot_rows,
                                take_solved)
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.gptq import use_bf16_products
@@ -88,7 +87,8 @@ def _signature(cfg, calibrated: bool, assigner: Assigner, targets: Targets, weig
 class _Stats:
     layers: dict[str, dict] = field(default_factory=dict)
     blocks: list[dict] = field(default_factory=list)
-    experts_rtn_fallback: int = 0  # experts no calibration token reached (quantized with RTN)
+    experts_rtn: list[str] = field(default_factory=list)  # experts no calibration token reached (quantized with RTN)
+    expert_tokens: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)  # (routed, calibrated) each
     per_block: dict[str, dict] = field(default_factory=dict)  # the algorithm's block reports, by block prefix
 
 
@@ -351,16 +351,13 @@ class _Pipeline:
         results: dict[str, tuple[Solved, list[float]]] = {}
         compare = self.algo.calibrated  # a data-driven algorithm's report shows RTN's error beside its own
         h_cast: dict[tuple, torch.Tensor] = {}
-        # the report's products through H in bfloat16 where the forwards compute in it (by default on
-        # GPU and on a CPU with AMX): ~1e-3 relative on a reported error
-        err_dtype = torch.bfloat16 if work.inputs and work.inputs[0][0].dtype == torch.bfloat16 else torch.float32
+        dtype = rtn.err_dtype(work.inputs)
         locals_ = [local_box(lin.module.weight)[0] for lin in work.linears]
         items = [(lin, local.detach().clone()) for lin, local in zip(work.linears, locals_)]
         for (lin, w), local, s in zip(items, locals_, self.algo.solve_linears(work, items)):
-            deqs = [s.deq]
-            if compare:  # RTN on the same rows (and the same H), for comparison in the report
-                deqs.append(rtn_rows(w, lin.scheme, work.linear_stats.get(lin.name), work.row_offset.get(lin.name, 0)).deq)
-            terms = err_terms(w, deqs, s.H, h_cast, err_dtype)
+            terms = s.terms if s.terms is not None else rtn.report_terms(
+                w, s.deq, s.H, lin.scheme, work.linear_stats.get(lin.name), work.row_offset.get(lin.name, 0), compare,
+                h_cast, dtype)
             local.copy_(s.deq)
             results[lin.name] = (s, terms)
         expert_q = {}
@@ -387,8 +384,11 @@ class _Pipeline:
                 self.stats.layers[l.name] = entry
         if work.experts:
             every = [None] * self.world
-            dist.all_gather_object(every, self.algo.fallback_experts(work))
-            self.stats.experts_rtn_fallback += len(set().union(*every))  # dp replicas name the same experts
+            dist.all_gather_object(every, (self.algo.fallback_experts(work), self.algo.expert_tokens(work)))
+            self.stats.experts_rtn += sorted(set().union(*(f for f, _ in every)))  # dp replicas name the same experts
+            for _, tokens in every:
+                for eprefix, per in tokens.items():
+                    self.stats.expert_tokens.setdefault(eprefix, {}).update(per)
 
     def _propagate(self, work: BlockWork, observed_out=None) -> None:
         """The next block's inputs: the quantized chain of a data-driven algorithm (and the fp chain
@@ -469,6 +469,7 @@ class _Pipeline:
     def finish(self, start: int) -> dict:
         """Root tensors, then rank 0's final stage that every rank waits for."""
         rank, weights = self.rank, self.weights
+        trim_heap()  # the blocks' freed buffers back to the system: the end's peak is the root's, not theirs
         self.peaks.start("blocks" if self.peaks.phases else "before_blocks")
         for entry in self.stats.blocks:  # the background files' bookkeeping, by block
             entry["bookkeeping"] = round(self.run.book_s.get(entry["block"], 0.0), 3)
@@ -523,7 +524,9 @@ class _Pipeline:
             "seconds": round(time.perf_counter() - self.t_start, 3),
             "ranks": all_mine,
             "layers": self.stats.layers,
-            "experts_rtn_fallback": self.stats.experts_rtn_fallback,
+            "experts_rtn_fallback": len(self.stats.experts_rtn),
+            **({"experts": experts_report(self.stats.expert_tokens, self.stats.experts_rtn,
+                                         cfg.calibrate_all_experts)} if self.stats.expert_tokens else {}),
             "resumed_from_block": start,
             "skipped_nonfinite": self.run.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
         }

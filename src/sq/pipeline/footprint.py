@@ -54,7 +54,7 @@ from sq.quant.attention import attention_shape
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE, CALIB_BATCH
 
 __all__ = ["BlockShape", "MemoryFacts", "predict_memory", "predict_ranks", "memory_problems", "available_host_bytes", "Buffers",
-           "carried_bytes"]
+           "carried_bytes", "fitting_layout", "with_layout"]
 
 
 def _bytes(dtype: torch.dtype | None) -> int:
@@ -150,22 +150,28 @@ def block_shape(block: nn.Module, linears, experts) -> BlockShape:
     return BlockShape(params, tuple(shapes.values()), accumulators, tuple(ex_shapes), widest)
 
 
-def _block_buffers(shape: BlockShape, f: MemoryFacts, resident: bool) -> Buffers:
-    """The block in flight: this rank's shard of each parameter (unless resident); FSDP2's all-gather of the
-    unit in the compute dtype, one flat buffer (under --ep the experts stay out of it: each rank runs its own
-    experts, cast where the compute dtype differs, their rows gathered where dp splits them); each Linear's
-    rows a solve copies, and what it returns (codes and dequantized rows); the owned experts' stacked codes."""
+def _block_buffers(shape: BlockShape, f: MemoryFacts, resident: bool) -> tuple[Buffers, Buffers, Buffers]:
+    """The block in flight, by phase: (held throughout: this rank's shard of each parameter, unless resident;
+    the forwards': FSDP2's all-gather of the unit in the compute dtype, one flat buffer -- under --ep the experts
+    stay out of it: each rank runs its own experts, cast where the compute dtype differs, their rows gathered
+    where dp splits them --; the solve's: each Linear's rows a solve copies and what it returns (codes and
+    dequantized rows), the owned experts' stacked codes)."""
     wb, cb, world, ep = f.weight_bytes, f.compute_bytes, f.world, f.ep
-    out: Buffers = [] if resident else [(math.ceil(n / world) * wb, 1) for n, _ in shape.params]
+    held: Buffers = [] if resident else [(math.ceil(n / world) * wb, 1) for n, _ in shape.params]
     experts = shape.experts
-    gathered = shape.dense + (experts if ep == 1 else 0)
-    out.append((gathered * cb, 1))
+    fwd: Buffers = [((shape.dense + (experts if ep == 1 else 0)) * cb, 1)]
     if ep > 1 and experts and (world > ep or cb != wb):
-        out.append((math.ceil(experts / ep) * cb, 1))
-    out += [(math.ceil(o / world) * i * (2 * wb + 1), 1) for i, o in shape.linears]
+        fwd.append((math.ceil(experts / ep) * cb, 1))
+    solve: Buffers = [(math.ceil(o / world) * i * (2 * wb + 1), 1) for i, o in shape.linears]
     if experts:  # solved one expert at a time into stacks of codes (one byte an element) kept to the write
-        out.append((math.ceil(experts / world), 1))
-    return out
+        solve.append((math.ceil(experts / world), 1))
+    return held, fwd, solve
+
+
+def _early_solve(shape: BlockShape, f: MemoryFacts) -> Buffers:
+    """The solve's block buffers before any weight is solved (an algorithm's ``"dense"`` stage): the copies of
+    this rank's rows the solve reads."""
+    return [(math.ceil(o / f.world) * i * f.weight_bytes, 1) for i, o in shape.linears]
 
 
 def predict_memory(model: nn.Module, targets, algo, *, rank: int | None = None, **job) -> dict:
@@ -199,7 +205,8 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
     host_block = 0
     for b, (prefix, blk) in enumerate(targets.blocks):
         shape = block_shape(blk, targets.linears[b], targets.experts[b])
-        key = (shape, tuple(id(l.scheme) for l in targets.linears[b]), tuple(id(e.scheme) for e in targets.experts[b]))
+        key = (shape, tuple(id(l.scheme) for l in targets.linears[b]), tuple(id(e.scheme) for e in targets.experts[b]),
+               b > 0)  # (the first block has no previous one written beside it)
         if key in seen:  # repeated blocks: the same prediction
             continue
         seen.add(key)
@@ -208,8 +215,11 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
         step = facts.step_tokens
         # the previous block's files, written in the background while this one computes: this rank's share of
         # its tensors, and the same serialized in memory (sq.export.writer.write_shard)
-        written = math.ceil(block_output_bytes(targets, b, weight_dtype) / world)
-        block = _block_buffers(shape, facts, resident) + [(written, 1), (written, 1)]
+        written = math.ceil(block_output_bytes(targets, b - 1, weight_dtype) / world) if b else 0
+        block, block_fwd, block_solve = _block_buffers(shape, facts, resident)
+        block += [(written, 1), (written, 1)]
+        if not calibrated:  # no calibration forward: what a forward gathers is counted beside the solve (measured)
+            block, block_fwd = block + block_fwd, []
         # inputs and outputs, of the full-precision chain too where the algorithm keeps it, and the chain cache
         # the background writer serializes for a resume (sq.resume)
         copies = 2 + bool(bookkeeping)
@@ -217,24 +227,40 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
         acts = [(step * hidden * cb, ACT_HIDDEN), (step * shape.widest * cb, ACT_WIDE)] if step else []
         if device == "cuda":  # the host side: the block's files and chain cache moved to host memory and serialized
             # there (by the background writer, while the next block's shard is staged through host buffers)
-            host_block = max(host_block, 2 * written + (_sum(facts.chain) * (2 if algo.fp_chain else 1) * 2
+            own = math.ceil(block_output_bytes(targets, b, weight_dtype) / world)
+            host_block = max(host_block, 2 * own + (_sum(facts.chain) * (2 if algo.fp_chain else 1) * 2
                                                         if bookkeeping else 0)
                              + (0 if resident else math.ceil(_sum([(n, 1) for n, _ in shape.params]) * wb / world)))
         for r in ranks:
-            held, solve = (algo.memory(dataclasses.replace(facts, rank=r)) if calibrated or not algo.calibrated
-                           else ([], []))
+            rf = dataclasses.replace(facts, rank=r)
+            held, solve = algo.memory(rf) if calibrated or not algo.calibrated else ([], [])
+            fwd = algo.forward_memory(rf) if calibrated else []  # held through the forwards only
+            # the solve's stages (an algorithm's own, else one: every result held): the largest, with the block's
+            # buffers of that stage
+            stages = (algo.solve_stages(rf) if calibrated else []) or [("end", solve)]
+            by_stage = {"dense": _early_solve(shape, facts), "end": block_solve}
+            stage, solve = max(stages, key=lambda st: _sum(st[1]) + _sum(by_stage[st[0]]))
+            block_solve = by_stage[stage]
             # a calibration forward's transients and a solve's never coexist: the block's peak is the larger phase
-            phase = "solve" if _sum(solve) > _sum(acts) else "forward"
-            p = {"block": _sum(block), "chain": _sum(chain), "activations": _sum(acts) if phase == "forward" else 0,
-                 "algorithm": _sum(held) + (_sum(solve) if phase == "solve" else 0)}
-            # trimmed every few blocks in a calibrated job, after every block otherwise (sq.pipeline.blocks:
-            # HeapTrim), where glibc keeps up to its trim threshold: the small buffers of the calibration's churn (a
-            # block's shards and files come back the same size in the next block, which reuses them)
-            small = max(_small(acts), _small(solve)) + _small(chain) + _small(held)
-            p["heap"] = min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD, small)
+            phase = ("solve" if _sum(solve) + _sum(block_solve) > _sum(acts) + _sum(fwd) + _sum(block_fwd)
+                     else "forward")
+            p = {"block": _sum(block) + _sum(block_solve if phase == "solve" else block_fwd), "chain": _sum(chain),
+                 "activations": _sum(acts) if phase == "forward" else 0,
+                 "algorithm": _sum(held) + (_sum(solve) if phase == "solve" else _sum(fwd))}
+            # freed small buffers the heap keeps from the blocks before: trimmed every few blocks in a calibrated
+            # job, so up to HEAP_KEEP of the calibration's churn waits there (measured on the demo: 0.2-0.25 GiB
+            # from block 2 on), after every block otherwise, where glibc keeps up to its trim threshold of the
+            # block's small buffers (its shards and files come back the same size in the next block, which reuses
+            # them); the first block has none before it
+            small = max(_small(acts) + _small(fwd), _small(solve)) + _small(chain) + _small(held)
+            p["heap"] = 0 if not b else min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD, small)
             total = sum(p.values())
             if total > worst[r]:
-                worst[r], parts[r] = total, {**p, "phase": phase, "peak_block": prefix}
+                # each phase's whole (the peak is the larger), for comparing with a trace of the run
+                common = _sum(block) + p["chain"] + p["heap"] + _sum(held)
+                both = {"forward_bytes": common + _sum(block_fwd) + _sum(acts) + _sum(fwd),
+                        "solve_bytes": common + _sum(block_solve) + _sum(solve)}
+                worst[r], parts[r] = total, {**p, "phase": phase, "peak_block": prefix, **both}
     # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
     # keeping them all for the root shard file and serializing that file in memory; then the carried tensors read
     # (dequantized) and written one at a time beside the root it still holds
@@ -346,7 +372,30 @@ def memory_problems(pred: dict, *, local_world: int | None = None, started: bool
     held = f" beyond the {size(pred['base'])} each holds now" if started and not gpu else ""
     return [f"{'GPU' if gpu else 'host'} memory: {what} would need about {size(need)}{held} (per rank: {listed}; "
             f"predicted by {by}), and {where} gives {size(available)}; the largest part is the "
-            f"{biggest}: {knob}; or pass --no-preflight to try anyway"] + host_problems, facts
+            f"{biggest}: {knob}{NO_PREFLIGHT}"] + host_problems, facts
+
+
+NO_PREFLIGHT = "; or pass --no-preflight to try anyway"
+
+
+def with_layout(problem: str, fits: str | None) -> str:
+    """A memory refusal with the layout that fits (``fitting_layout``) named before its last resort."""
+    if not fits:
+        return problem
+    return problem.replace(NO_PREFLIGHT, f"; {fits}{NO_PREFLIGHT}") if NO_PREFLIGHT in problem else f"{problem}; {fits}"
+
+
+def fitting_layout(predict, *, world: int, local_world: int, check, most: int = 1024) -> str | None:
+    """The smallest layout of more nodes like this one (``local_world`` ranks each) whose ranks fit, as a sentence
+    for a refusal; None if none up to ``most`` ranks does.  ``predict(world) -> (prediction, ep)`` for a world
+    size; ``check(prediction) -> problems`` judges one (``memory_problems`` with the job's node)."""
+    nodes = max(1, world // max(1, local_world))
+    while (nodes := nodes * 2) * local_world <= most:
+        pred, ep = predict(nodes * local_world)
+        if not check(pred):
+            return (f"it fits on {nodes} such nodes: --nnodes {nodes} --nproc-per-node {local_world} --ep {ep} "
+                    f"(predicted peak {size(pred['predicted_peak_rank0_bytes'])} per rank)")
+    return None
 
 
 def _node_need(peak: int, peak0: int, base: int, started: bool, local_world: int, available: int | None,

@@ -15,7 +15,7 @@ import torch
 
 from sq.memory import rss_bytes, trim_heap
 from sq.pipeline.disk import disk_need, disk_problems
-from sq.pipeline.footprint import carried_bytes, memory_problems, predict_ranks
+from sq.pipeline.footprint import carried_bytes, fitting_layout, memory_problems, predict_ranks, with_layout
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,20 @@ def memory_preflight(p) -> tuple[list[str], dict]:
                           **kw)
     mine, worst = every[p.rank], max(every.values(), key=lambda m: m["predicted_peak_rank0_bytes"])
     problems, facts = memory_problems(worst)
+    if problems and not p.weights.in_memory:  # name the layout that fits: more nodes like this one
+        from sq.pipeline.job import auto_ep
+        from sq.pipeline.targets import plan_targets
+
+        def at(w):
+            e = auto_ep(p.model, w, p.algo)
+            pred = predict_ranks(p.model, plan_targets(p.model, p.assigner, p.weights, w), p.algo,
+                                 ranks=range(w) if p.algo.rank_dependent_memory else [0], **{**kw, "world": w, "ep": e})
+            return max(pred.values(), key=lambda m: m["predicted_peak_rank0_bytes"]), e
+
+        fits = fitting_layout(at, world=p.world, local_world=facts["local_ranks"],
+                              check=lambda pred: memory_problems(pred, available=facts["available_bytes"],
+                                                                 where=facts["where"])[0])
+        problems = [with_layout(problems[0], fits), *problems[1:]]
     return problems, {**mine, **facts}
 
 

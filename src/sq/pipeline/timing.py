@@ -160,6 +160,9 @@ def forwards(shape, facts: MemoryFacts, *, top_k: int, attn_width: int, n_module
     routed = calibrating = base
     for n, h, i in shape.experts_modules:
         per_token = 2 * 3 * h * i
+        if facts.ep > 1:  # every --ep rank's tokens gathered (hidden states, routes, weights), outputs all-reduced
+            exchange = Cost(link=3 * t * facts.ep * h * cb, collectives=calls * 4)
+            routed, calibrating = routed + exchange, calibrating + exchange
         routed = routed + Cost(experts=t * top_k * per_token, ops=calls * OPS_PER_EXPERT * n)
         calibrating = calibrating + Cost(gemm=t * n * per_token, ops=calls * OPS_PER_EXPERT * n)  # every token: wide
     return Forwards(routed, calibrating if facts.calibrate_all_experts else routed, calls)

@@ -142,6 +142,7 @@ class ExpertCalibration:
     h_mid: dict[int, GPTQ] = field(default_factory=dict)
     amax_in: dict[int, torch.Tensor] = field(default_factory=dict)  # float32 [1] per local expert
     amax_mid: dict[int, torch.Tensor] = field(default_factory=dict)
+    routed: dict[int, int] = field(default_factory=dict)  # tokens the router sent to each local expert (all ranks')
     # GPTAQ (sq.quant.forward.paired_forward): a forward while ``capturing`` runs on the full-precision
     # chain and keeps the gathered expert inputs; the next, on the quantized chain, gives every
     # accumulator the cross term of the same tokens.  Only with calibrate-all, where every expert
@@ -156,11 +157,14 @@ class ExpertCalibration:
         self.mine = local_experts(ex)
         # calibrate-all: every expert sees every token, so all gate/up input Hessians are one matrix
         # (accumulated once, not once per expert: 256x less work and memory on DeepSeek-V3)
-        shared = GPTQ(hidden, device=self.device) if self.calibrate_all and self.hessians else None
+        # experts' Hessians in float32 whatever their width: a rank holds one per owned expert (dense ones:
+        # sq.quant.gptq.hessian_dtype)
+        f32 = torch.float32
+        shared = GPTQ(hidden, device=self.device, dtype=f32) if self.calibrate_all and self.hessians else None
         for e in self.mine:
             if self.hessians:
-                self.h_in[e] = shared if shared is not None else GPTQ(hidden, device=self.device)
-                self.h_mid[e] = GPTQ(inter, device=self.device)
+                self.h_in[e] = shared if shared is not None else GPTQ(hidden, device=self.device, dtype=f32)
+                self.h_mid[e] = GPTQ(inter, device=self.device, dtype=f32)
             if self.absmax:
                 self.amax_in[e] = torch.zeros(1, dtype=torch.float32, device=self.device)
                 self.amax_mid[e] = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -197,8 +201,11 @@ class ExpertCalibration:
                 a = _absmax(h_all)
                 for e in calib.mine:
                     torch.maximum(calib.amax_in[e], a, out=calib.amax_in[e])
-            for e in calib.mine:
-                x = h_all if calib.calibrate_all else h_all[(idx_all == e).any(dim=-1)]
+            hit = [(idx_all == e).any(dim=-1) for e in calib.mine]
+            for e, m in zip(calib.mine, hit):
+                calib.routed[e] = calib.routed.get(e, 0) + int(m.sum())
+            for e, m in zip(calib.mine, hit):
+                x = h_all if calib.calibrate_all else h_all[m]
                 if x.shape[0] == 0:
                     continue
                 w = gate_up[e - first]
@@ -303,3 +310,20 @@ def export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, act
                                       global_scale=gs[i].clone() if gs[i] is not None else None).items():
             tensors[slot.ckpt_prefix + rel] = v
     return tensors
+
+
+def experts_report(tokens: dict[str, dict[int, tuple[int, int]]], rtn_names: list[str], calibrate_all: bool) -> dict:
+    """The report's ``experts``: the policy for experts few or no calibration tokens reach, stated, and each
+    experts module's tokens per expert (``routed``: where the router sent them; ``calibrated``: what its
+    statistics saw), with the experts rounded to nearest instead (named)."""
+    policy = ("calibrate-all-experts: every expert's Hessians see every calibration token (the routed output is "
+              "unchanged), so no expert goes without; routed counts show where the router sent them"
+              if calibrate_all else
+              "routed: each expert's Hessians see the tokens routed to it; an expert no token reached is rounded to "
+              "nearest (RTN) and named in rtn")
+    modules = {}
+    for eprefix, per in sorted(tokens.items()):
+        n = max(per) + 1 if per else 0
+        modules[eprefix] = {"routed": [per.get(e, (0, 0))[0] for e in range(n)],
+                            "calibrated": [per.get(e, (0, 0))[1] for e in range(n)]}
+    return {"policy": policy, "rtn": rtn_names, "tokens": modules}

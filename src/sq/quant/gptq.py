@@ -12,12 +12,17 @@ per row too (groups run along ``in``).  (The pipeline uses this to stack Linears
 Hessian and experts that share one, and to solve a stack on any one rank; a solve's cost is
 mostly per column, not per row, so it does not split one weight's rows over ranks.)
 
-Numerics: the Hessian is accumulated in float64 -- per calibration sample ``x^T x`` in float32
-(its upper block triangle, mirrored; bf16 inputs as bf16 operands with float32 sums), summed in
-float64 -- so a sum over ranks (which split by samples) does not depend on the rank count beyond
-float64 rounding; its damped inverse factor is
+Numerics: the Hessian is accumulated in float32, as the reference and the peers keep it -- per
+calibration sample ``x^T x`` (its upper block triangle, mirrored; bf16 inputs as bf16 operands with
+float32 sums), summed in float32.  Its memory is what bounds a rank at real widths (DeepSeek-V3's
+o_proj reads 16384 channels: 1 GiB in float32, 2 in float64), so float64 is kept only where it is
+cheap (vectors, the rare fallback below).  What float64 sums bought was a sum over ranks (which split
+by samples) equal to the single process's up to float64 rounding; in float32 the rank count changes
+the summation order, so 1 and 2 ranks agree to float32 rounding of ``H`` (the conformance bound),
+while a resumed run, which keeps its world size, stays bit-identical.  The damped inverse factor is
 computed in float32 when a residual check passes, else in float64 (``_inverse_cholesky``), and the
-column sweep runs in float32.  Scales are computed by the scheme's own format maths
+column sweep runs in float32.  The solve's working set is the raw sum, the permuted copy and the
+factor, each ``in x in`` float32 (``_permuted``, ``_lower_inverse_into``, ``_flipped_into``).  Scales are computed by the scheme's own format maths
 (:func:`sq.formats.primitives.choose_qparams` with the ``QuantSpec`` of ``formats.spec_for``) on the
 weights rounded to their storage dtype, so a GPTQ scale is exactly the one compressed-tensors
 would compute for those (error-updated) weights; the error that is propagated is the
@@ -71,7 +76,7 @@ from sq.quant.settings import AlgoConfig, option
 from sq.formats.schemes import QuantScheme, check_group_size
 
 __all__ = ["GPTQ", "GPTQConfig", "GPTAQConfig", "GPTQResult", "Problem", "bf16_operand_products", "bf16_products",
-           "bf16_products_available", "quantize_together", "sym_products", "use_bf16_products"]
+           "bf16_products_available", "quantize_together", "hessian_dtype", "sym_products", "use_bf16_products"]
 
 logger = logging.getLogger(__name__)
 
@@ -259,10 +264,11 @@ class GPTQResult:
 class GPTQ:
     """Hessian accumulator and solver for one Linear of width ``in_features``."""
 
-    def __init__(self, in_features: int, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64):
+    def __init__(self, in_features: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
         self.in_features = in_features
+        dtype = dtype or hessian_dtype(in_features)
         self._H: Tensor | None = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self._upper = False  # only the upper block triangle of _H is current (see add_batch)
         # GPTAQ's cross term where the full-precision chain's inputs were given (add_batch's x_fp), as
@@ -271,10 +277,14 @@ class GPTQ:
         self._cross_is_c = False  # cross holds sum x_fp^T x (D = cross - H), else D itself
         self.nsamples = 0  # tokens seen (rows of the flattened inputs)
         self._prepared: _Prepared | None = None
+        self.owner: int | None = None  # the rank its sum was reduced to, which alone solves against it
+        # the dtype the report's errors read a float32 sum in (bf16 where the forwards are): kept in it once the
+        # solve's permuted copy is made, half of the float32 beside the factorization (0.5 GiB at 16384 wide)
+        self.report_dtype: torch.dtype | None = None
 
     @property
     def H(self) -> Tensor | None:
-        """``sum x^T x`` (float64, symmetric): its lower triangle is filled in on first read after
+        """``sum x^T x`` (float32, symmetric): its lower triangle is filled in on first read after
         per-sample accumulation, which computes the upper block triangle only."""
         if self._upper and self._H is not None:
             H, n = self._H, self._H.shape[0]
@@ -292,7 +302,7 @@ class GPTQ:
 
     @property
     def D(self) -> Tensor | None:
-        """GPTAQ's ``sum (x_fp - x)^T x`` (float64, a new tensor when accumulated as ``sum x_fp^T x``;
+        """GPTAQ's ``sum (x_fp - x)^T x`` (float32, a new tensor when accumulated as ``sum x_fp^T x``;
         see ``_add_cross``); None without full-precision inputs."""
         if self.cross is None:
             return None
@@ -312,6 +322,7 @@ class GPTQ:
         g.cross, g._cross_is_c = D, False
         g.nsamples = int(nsamples)
         g._prepared = None
+        g.owner = g.report_dtype = None
         return g
 
     @torch.no_grad()
@@ -319,7 +330,7 @@ class GPTQ:
         """Accumulate inputs: ``x [samples, tokens, in]`` (a calibration batch) or ``x [tokens, in]``.
 
         ``x_fp`` (GPTAQ): the same tokens' inputs on the full-precision chain, for the cross term
-        ``D += (x_fp - x)^T x`` (per sample in float32, summed in float64 like ``H``); given for every
+        ``D += (x_fp - x)^T x`` (per sample, summed in float32 like ``H``); given for every
         batch or for none."""
         if self._H is None:
             raise RuntimeError("GPTQ.add_batch after free()")
@@ -333,9 +344,7 @@ class GPTQ:
                 raise SqError(f"GPTAQ: full-precision inputs {tuple(x_fp.shape)} != inputs {tuple(x.shape)}")
             self._add_cross(x, x_fp)
         if x.dim() >= 3:
-            # [samples, tokens, in]: each sample's x^T x in float32 (2-5x faster than float64 on CPU),
-            # summed in float64.  A sample's product does not depend on which rank or batch holds it,
-            # so the sum over ranks is the single-process sum up to float64 rounding.
+            # [samples, tokens, in]: each sample's x^T x in float32, summed in float32 (the module doc).
             # Inputs in bf16 multiply as bf16 operands with float32 sums and results where that was
             # measured faster (_bf16_operands, sq.probe.hessian_products_choice: exact operands; with
             # AMX 2x faster).  (Not bf16 *results*:
@@ -354,11 +363,11 @@ class GPTQ:
             return
         H = self.H  # complete (mirrored) before a full update
         x = x.reshape(-1, self.in_features).to(device=H.device, dtype=H.dtype)
-        H.addmm_(x.T, x)  # H += x^T x, a token set (e.g. an expert's routed tokens): float64
+        H.addmm_(x.T, x)  # H += x^T x, a token set (e.g. an expert's routed tokens)
         self.nsamples += x.shape[0]
 
     def _add_cross(self, x: Tensor, x_fp: Tensor) -> None:
-        """The cross term, a sample at a time in float32, summed in float64.
+        """The cross term, a sample at a time, summed in float32.
 
         Inputs in bf16 where the job chose bf16 products (``_bf16_operands``): ``sum x_fp^T x`` from bf16
         operands (exact products, float32 sums: 2x faster than float32's, 4x less than the direct
@@ -369,7 +378,7 @@ class GPTQ:
         fast = (x.dtype == torch.bfloat16 and x_fp.dtype == torch.bfloat16 and self._H.device.type == "cpu"
                 and bf16_products())
         if self.cross is None:
-            self.cross = torch.zeros(n, n, dtype=torch.float64, device=self._H.device)
+            self.cross = torch.zeros(n, n, dtype=self._H.dtype, device=self._H.device)
             self._cross_is_c = fast
         xs = x.reshape(-1, x.shape[-2] if x.dim() >= 3 else x.shape[0], n)
         fs = x_fp.reshape(xs.shape)
@@ -380,7 +389,7 @@ class GPTQ:
                 self.cross.add_((f32 if self._cross_is_c else f32 - a32).T @ a32)
 
     def hessian(self) -> Tensor:
-        """The normalized Hessian ``2 / n * sum x^T x`` (float64, a new tensor)."""
+        """The normalized Hessian ``2 / n * sum x^T x`` (a new tensor)."""
         if self.H is None:
             raise RuntimeError("GPTQ.hessian after free()")
         if self.nsamples == 0:
@@ -419,19 +428,21 @@ class GPTQ:
         if self._prepared is not None and self._prepared.key == key:
             return self._prepared
         self._prepared = None
-        H = self.H.to(device=dev, dtype=torch.float64)  # the raw sum [cols, cols] (tokens: _check_solvable)
+        H = self.H.to(device=dev)  # the raw sum [cols, cols] (tokens: _check_solvable); no copy where it is
         if not rtn.all_finite(H):
             raise SqError(f"{name}: the calibration Hessian has non-finite entries (inf/NaN inputs)")
         c = 2.0 / self.nsamples
-        diag = torch.diagonal(H) * c
+        diag = (torch.diagonal(H) * c).to(torch.float64)
         # Input channels never active carry no information: the reference zeroes them (and sets
         # their diagonal to 1).
         dead = diag == 0
         diag[dead] = 1
         perm = torch.argsort(diag, descending=True, stable=True) if cfg.actorder else None
         rev = (perm if perm is not None else torch.arange(diag.numel(), device=dev)).flip(0)
-        Hf = H[rev][:, rev].mul_(c)  # J P^T (2/n H) P J: the sweep order, reversed (1.5x index_select's speed)
+        Hf = _permuted(H, rev, c)  # J P^T (2/n H) P J: the sweep order, reversed
         Hf.diagonal()[dead[rev]] = 1
+        if H.dtype == torch.float32 and self.report_dtype not in (None, H.dtype) and self.cross is None:
+            H = self._H = H.to(self.report_dtype)  # (the float32 sum is not read again)
         mean_diag = float(torch.mean(diag if perm is None else diag[perm]))
         Hinv, damp, retries = _inverse_cholesky(Hf, mean_diag, cfg, name)
         hdiag = Hinv.diagonal().clone()
@@ -515,8 +526,9 @@ class GPTQ:
         gs_rows = None
         if spec.global_scale:
             gs_rows = torch.cat([g.expand(sl.stop - sl.start) for (sl, _), g in zip(segs, gscales)]).to(dev)
-        if prep.perm is not None:
-            W = W.index_select(1, prep.perm)  # (3x a column gather by indexing)
+        # transposed for the sweep ([cols, rows]: a column is a contiguous row), in sweep order: one copy, which
+        # a sweep of one solve takes as its buffer (a 7168 x 16384 o_proj: 0.45 GiB in float32)
+        W = W.T.index_select(0, prep.perm) if prep.perm is not None else W.T.contiguous()
         # per-group scale / zero point as contiguous float32 rows: [n_groups, rows]
         scale_t = scale.T.to(torch.float32).contiguous()
         if gs_rows is not None:
@@ -619,7 +631,7 @@ class _Solve:
     spec: primitives.QuantSpec
     segs: list  # [(row slice, stats)]: one per stacked weight
     gscales: list  # each segment's global scale (NVFP4) or None
-    W: Tensor | None  # [rows, cols] float32 in sweep order, dead columns zeroed (moved into the sweep's buffer)
+    W: Tensor | None  # [cols, rows] float32, transposed, in sweep order, dead columns zeroed (the sweep's buffer)
     scale: Tensor  # [rows, n_groups], the stored scales
     zp: Tensor | None
     scale_t: Tensor  # [n_groups, rows] float32 (divided by the global scale, NVFP4)
@@ -639,14 +651,18 @@ class _Sweep:
         self.solves = solves
         scheme, cfg = first.problem.scheme, first.cfg
         self.scheme, self.wdtype, self.fixed = scheme, first.problem.w.dtype, _fixed_scales(scheme, cfg)
-        rows = [s.W.shape[0] for s in solves]
+        rows = [s.W.shape[1] for s in solves]
         self.spans = [slice(a, a + r) for a, r in zip(itertools.accumulate([0] + rows), rows)]
         self.height = rows[0] if len(rows) > 1 and len(set(rows)) == 1 else 0  # one height: batched products
-        cols, R, dev = first.W.shape[1], sum(rows), first.W.device
+        cols, R, dev = first.W.shape[0], sum(rows), first.W.device
         self.cols = cols
-        self.Wt = torch.empty(cols, R, dtype=torch.float32, device=dev)
-        for s, sl in zip(solves, self.spans):
-            self.Wt[:, sl].copy_(s.W.T)
+        if len(solves) == 1:  # its transposed copy is the buffer
+            self.Wt = first.W
+        else:
+            self.Wt = torch.empty(cols, R, dtype=torch.float32, device=dev)
+            for s, sl in zip(solves, self.spans):
+                self.Wt[:, sl].copy_(s.W)
+        for s in solves:
             s.W = None
         self.Qt = torch.empty(cols, R, dtype=scheme.storage_dtype, device=dev)
         # the scales each column is quantized with, one float32 row over R: rows of the per-group
@@ -836,7 +852,7 @@ class _Prepared:
     key: tuple
     dead: Tensor  # [cols] bool: input channels never active
     n_dead: int
-    H_raw: Tensor  # the raw sum x^T x (float64), for the reported error's metric
+    H_raw: Tensor  # the raw sum x^T x (float32: the accumulator itself), for the reported error's metric
     h_scale: float  # 2 / n
     perm: Tensor | None  # act-order permutation
     hdiag: Tensor  # the diagonal of Hinv, the upper factor of the damped inverse in sweep order (float32)
@@ -945,6 +961,26 @@ def _qparams(x: Tensor, spec: primitives.QuantSpec, segs) -> tuple[Tensor, Tenso
     return torch.cat([q.scale for q in qps]), zp
 
 
+def hessian_dtype(in_features: int) -> torch.dtype:
+    """The accumulator's dtype for a Hessian ``in_features`` wide: float64 while that is at most
+    ``F64_HESSIAN_BYTES`` (up to 4096 wide), float32 beyond (the module doc)."""
+    return torch.float64 if 8 * in_features * in_features <= F64_HESSIAN_BYTES else torch.float32
+
+
+F64_HESSIAN_BYTES = 128 << 20
+
+
+def _permuted(H: Tensor, rev: Tensor, c: float, band: int = 1024) -> Tensor:
+    """``c * H[rev][:, rev]`` in ``H``'s dtype, gathered ``band`` rows at a time: the result and one band beside
+    ``H``, not two whole permuted copies (at DeepSeek-V3's o_proj, 16384 wide, a GiB each in float32)."""
+    n = H.shape[0]
+    out = torch.empty(n, n, dtype=H.dtype, device=H.device)
+    for a in range(0, n, band):
+        rows = H.index_select(0, rev[a : a + band])
+        torch.mul(rows.index_select(1, rev), c, out=out[a : a + band])
+    return out
+
+
 def _inverse_cholesky(Hf: Tensor, mean_diag: float, cfg: GPTQConfig, name: str) -> tuple[Tensor, float, int]:
     """Upper Cholesky factor ``U`` of ``(H + damp I)^-1`` (``U^T U = (H + damp I)^-1``), given
     ``Hf = J H J`` (``H`` reversed in both axes; its diagonal is changed here) and ``mean(diag(H))``.
@@ -956,26 +992,39 @@ def _inverse_cholesky(Hf: Tensor, mean_diag: float, cfg: GPTQConfig, name: str) 
     on SmolLM2's real Hessians, condition numbers 5e3-1e5, float32's ``U`` is within 1e-5 relative
     of float64's and gives the same codes but for 0.06% of one layer's), accepted only if
     ``U^T U (H + damp I) v = v`` for a random ``v`` within ``_F32_RESIDUAL`` (1e-5 to 6e-5 on those
-    Hessians), else the same dampening again in float64.  Dampening grows by ``damp_growth`` on each
+    Hessians), else the same dampening again in float64.  A wide (float32-accumulated) Hessian never takes
+    the float64 path -- at 16384 wide its float64 factor and inverse are 6 GiB beside the job -- but accepts
+    a float32 factor within ``_WIDE_RESIDUAL``: its sums carry float32 rounding already, and the float32
+    factor's residual grows with the width (at 4096 wide, rank-64 inputs: 6e-4 to 8e-4, and the solve's
+    output error 0.3% above the float64 factor's).  Dampening grows by ``damp_growth`` on each
     failure; the retries are returned for the report.  Never falls back to RTN silently: after
     ``max_retries`` failures it raises ``SqError`` naming the layer.
     """
+    wide = Hf.dtype == torch.float32
     diag = Hf.diagonal()
     undamped = diag.clone()
-    Hf32 = Hf.to(torch.float32)
+    Hf32 = Hf.to(torch.float32)  # (Hf itself where it is float32)
     why = ""
     for attempt in range(cfg.max_retries + 1):
         rel = cfg.percdamp * cfg.damp_growth**attempt
         damp = rel * mean_diag
         torch.add(undamped, damp, out=diag)
         U = None
-        Hf32.diagonal().copy_(diag)
+        if Hf32 is not Hf:
+            Hf32.diagonal().copy_(diag)
         Linv = _cholesky_lower_inverse(Hf32)
         # (a non-finite Linv gives a NaN or infinite residual, which fails the comparison)
-        if Linv is not None and _inverse_residual(Hf, Linv) < _F32_RESIDUAL:
-            U = Linv.flip(0, 1)
-        if U is None:  # float64, as a failure there decides
-            L, info = torch.linalg.cholesky_ex(Hf)
+        residual = _inverse_residual(Hf, Linv) if Linv is not None else math.inf
+        if residual < (_WIDE_RESIDUAL if wide else _F32_RESIDUAL):
+            # a float32 Hf is not read again: U takes its memory
+            U = _flipped_into(Hf, Linv) if Hf32 is Hf else Linv.flip(0, 1)
+        del Linv
+        if U is None and wide:
+            why = f"the float32 inverse factor's residual is {residual:.3g}"
+            continue
+        if U is None:  # float64, as a failure there decides (a float64 copy: only on this rare path)
+            logger.info("%s: the float32 inverse factor's residual is %.3g; factorizing in float64", name, residual)
+            L, info = torch.linalg.cholesky_ex(Hf.to(torch.float64))
             if int(info) != 0:
                 why = f"leading minor of order {int(info)} is not positive"
                 continue
@@ -1001,18 +1050,28 @@ def _inverse_cholesky(Hf: Tensor, mean_diag: float, cfg: GPTQConfig, name: str) 
     )
 
 
+_WIDE_RESIDUAL = 1e-2  # a wide Hessian's accepted residual (the docstring above)
 # the float32 inverse factor's largest accepted residual |U^T U (H + damp I) v - v| / |v| (a damped
 # singular H at 1e-4 of mean(diag) gave 1.2e-3 in float32, 8.5e-5 from float64; at 1e-8, 21 vs 0.75)
 _F32_RESIDUAL = 1e-3
 
 
-def _inverse_residual(Hf: Tensor, Linv: Tensor) -> float:
+def _inverse_residual(Hf: Tensor, Linv: Tensor, band: int = 1024) -> float:
     """``|Hf Linv^T Linv v - v| / |v|`` for a fixed random ``v``: how far ``Linv^T Linv`` is from
-    ``Hf^-1`` (three matrix-vector products; ``Hf`` float64, ``Linv`` any float)."""
+    ``Hf^-1`` (three matrix-vector products, the last in float64 over ``band`` rows of ``Hf`` at a time)."""
     v = torch.randn(Hf.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(Hf.device)
-    y = Linv.T @ (Linv @ v.to(Linv.dtype))
-    r = Hf @ y.to(torch.float64) - v
+    y = (Linv.T @ (Linv @ v.to(Linv.dtype))).to(torch.float64)
+    r = torch.cat([Hf[a : a + band].to(torch.float64) @ y for a in range(0, Hf.shape[0], band)]) - v
     return float(r.norm() / v.norm())
+
+
+def _flipped_into(out: Tensor, x: Tensor, band: int = 1024) -> Tensor:
+    """``x.flip(0, 1)`` written into ``out`` ``band`` rows at a time (no whole flipped copy beside both)."""
+    n = x.shape[0]
+    for a in range(0, n, band):
+        b = min(n, a + band)
+        out[a:b].copy_(x[n - b : n - a].flip(0, 1))
+    return out
 
 
 def _cholesky_lower_inverse(A: Tensor, leaf: int = 256) -> Tensor | None:
@@ -1024,26 +1083,32 @@ def _cholesky_lower_inverse(A: Tensor, leaf: int = 256) -> Tensor | None:
     62 ms for ``cholesky_ex`` then ``_lower_inverse``; the same accuracy on SmolLM2-like Hessians,
     ~1e-7 relative to float64's).  Products with an inverse instead of triangular solves are the
     less stable choice for a badly conditioned ``A``: the caller's residual check decides."""
+    out = A.new_zeros(A.shape)
+    return out if _lower_inverse_into(A, out, leaf) else None
+
+
+def _lower_inverse_into(A: Tensor, out: Tensor, leaf: int) -> bool:
+    """``_cholesky_lower_inverse`` into ``out`` (zeros above the diagonal): each half's inverse written in place,
+    so beside ``A`` and ``out`` only a quarter-size product and Schur complement exist at a time."""
     n = A.shape[0]
     if n <= leaf:
         L, info = torch.linalg.cholesky_ex(A)
         if int(info):
-            return None
-        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False)
+            return False
+        torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False, out=out)
+        return True
     m = n // 2
-    i11 = _cholesky_lower_inverse(A[:m, :m], leaf)
-    if i11 is None:
-        return None
+    i11 = out[:m, :m]
+    if not _lower_inverse_into(A[:m, :m], i11, leaf):
+        return False
     l21 = A[m:, :m] @ i11.T
-    i22 = _cholesky_lower_inverse(torch.addmm(A[m:, m:], l21, l21.T, alpha=-1), leaf)
-    if i22 is None:
-        return None
-    out = A.new_zeros(n, n)
-    out[:m, :m] = i11
-    out[m:, m:] = i22
-    torch.mm(i22, l21 @ i11, out=out[m:, :m])
+    schur = torch.addmm(A[m:, m:], l21, l21.T, alpha=-1)
+    if not _lower_inverse_into(schur, out[m:, m:], leaf):
+        return False
+    del schur
+    torch.mm(out[m:, m:], l21 @ i11, out=out[m:, :m])
     out[m:, :m].neg_()
-    return out
+    return True
 
 
 def _lower_inverse(L: Tensor, leaf: int = 256) -> Tensor:

@@ -36,7 +36,7 @@ from sq.errors import SqError
 from sq.formats import primitives
 from sq.formats.specs import required_reductions, spec_for
 from sq.formats.schemes import QuantScheme
-from sq.quant.work import BlockWork, Solved
+from sq.quant.work import BlockWork, Solved, err_terms
 
 
 def local_stats(w: Tensor, scheme: QuantScheme, *, row_offset: int = 0, rows: int | None = None) -> dict[str, Tensor]:
@@ -61,6 +61,8 @@ def scales_follow_rows(scheme: QuantScheme) -> bool:
 
 __all__ = [
     "rtn_rows",
+    "report_terms",
+    "err_dtype",
     "rtn_codes",
     "share_global_absmax",
     "reduce_linear_stats",
@@ -198,3 +200,19 @@ def rtn_rows(w: torch.Tensor, scheme, stats=None, row_offset: int = 0) -> Solved
     qp, q = rtn_codes(w, scheme, stats, row_offset)
     deq = dequantize(q, qp.scale, qp.zero_point, scheme, global_scale=qp.global_scale, row_offset=row_offset)
     return Solved(q, qp.scale, qp.zero_point, deq.to(w.dtype), global_scale=qp.global_scale)
+
+
+def report_terms(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor | None, scheme, stats, row_offset: int,
+                 compare: bool, h_cast: dict, dtype: torch.dtype) -> list[float]:
+    """The report's error terms of ``deq`` (and, ``compare``, of RTN on the same rows) for the rows ``w``
+    through ``H`` (``err_terms``)."""
+    deqs = [deq]
+    if compare:  # RTN on the same rows (and the same H), for comparison in the report
+        deqs.append(rtn_rows(w, scheme, stats, row_offset).deq)
+    return err_terms(w, deqs, H, h_cast, dtype)
+
+
+def err_dtype(inputs) -> torch.dtype:
+    """The report's products through H: in bfloat16 where the forwards compute in it (by default on GPU and on
+    a CPU with AMX: ~1e-3 relative on a reported error), else float32."""
+    return torch.bfloat16 if inputs and inputs[0][0].dtype == torch.bfloat16 else torch.float32

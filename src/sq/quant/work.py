@@ -69,6 +69,9 @@ class Solved:
     # their ``deq`` rows alone (q and scale None).  None: each rank holds its rows of everything.
     writer: int | None = None
     whole: tuple | None = None
+    # the report's error terms (``err_terms``: ``[num, den]`` per dequantization) where the solver computed
+    # them over the whole weight (its Hessian lives on that rank alone); zeros on the other ranks
+    terms: list[float] | None = None
 
 
 @dataclass
@@ -157,22 +160,27 @@ def err_terms(w: torch.Tensor, deqs: list[torch.Tensor], H: torch.Tensor | None,
     the rows in float64 (gate/up's 1536 x 576 rows of a SmolLM2 rank: 6 ms, against 31 ms all in
     float32; the same numbers to 4 digits).  A quadratic form that bf16's rounding leaves negative (an
     error small against H's large entries: seen on SmolLM2 under the full-range grid) is computed
-    again in float32."""
-    wd = w.to(dtype)
-    a = torch.cat([wd, *(wd - d.to(dtype) for d in deqs)])
+    again in float32.  The rows go ``_TERM_ELEMS`` stacked elements at a time (a 7168 x 16384 o_proj's
+    three stacked copies would be 0.7 GiB in bf16)."""
+    hc = None
     if H is not None:
         hc = h_cast.get((id(H), dtype))
         if hc is None:
-            hc = h_cast[(id(H), dtype)] = H.to(dtype)
-        forms = row_forms(a, hc)
-    else:
-        forms = (a * a).sum(dim=1, dtype=torch.float32)
-    parts = forms.view(1 + len(deqs), -1).sum(dim=1, dtype=torch.float64).tolist()
+            hc = h_cast[(id(H), dtype)] = H if H.dtype == dtype else H.to(dtype)
+    parts = [0.0] * (1 + len(deqs))
+    step = max(1, _TERM_ELEMS // max(1, (1 + len(deqs)) * w.shape[-1]))
+    for r in range(0, max(w.shape[0], 1), step):
+        wd = w[r : r + step].to(dtype)
+        a = torch.cat([wd, *(wd - d[r : r + step].to(dtype) for d in deqs)])
+        forms = row_forms(a, hc) if hc is not None else (a * a).sum(dim=1, dtype=torch.float32)
+        for i, x in enumerate(forms.view(1 + len(deqs), -1).sum(dim=1, dtype=torch.float64).tolist()):
+            parts[i] += x
     if dtype != torch.float32 and min(parts) < 0:
         return err_terms(w, deqs, H, h_cast, torch.float32)
     return [x for num in parts[1:] for x in (num, parts[0])]
 
 
+_TERM_ELEMS = 1 << 24  # err_terms' stacked rows at a time (elements)
 # row_forms' column band: H's lower block triangle is read (0.6x the products of a @ H at 1536 wide)
 _FORM_BAND = 128
 

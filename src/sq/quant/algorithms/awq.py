@@ -478,6 +478,9 @@ class AWQAlgorithm(Algorithm):
         held, solve = self.gptq.memory(facts) if self.gptq is not None else ([], [])
         return cache + held, solve
 
+    def forward_memory(self, facts) -> list[tuple[int, int]]:
+        return self.gptq.forward_memory(facts) if self.gptq is not None else []
+
     def cost(self, facts) -> dict[str, Cost]:
         """Calibrate: the capture forward, then per grid point every mapping's balanced weights quantized whole
         (every rank) and its parent replayed on this rank's tokens (about 1.7 forwards of the block, measured:

@@ -143,6 +143,16 @@ class Algorithm:
                       + [2 * i * h for _, h, i in b.experts_modules], default=0)
         return [], [(4 * largest, 3)] if largest else []
 
+    def solve_stages(self, facts) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The solve's buffers by stage, where they differ (``"dense"``: before any weight is solved, so beside the
+        solve's copies of the rows alone; ``"end"``: with every result held); [] : ``memory``'s solve, at the end."""
+        return []
+
+    def forward_memory(self, facts) -> list[tuple[int, int]]:
+        """Buffers held through the block's calibration forwards only, beside their activations, and gone before
+        the solve (GPTQ: the Hessians other ranks solve, reduced away after the forward)."""
+        return []
+
     def cost(self, facts) -> dict[str, Cost]:
         """What this algorithm does to a block, by phase (``calibrate``, ``solve``, ``forward``), for the time
         prediction (``sq.pipeline.timing``).  ``facts``: ``sq.pipeline.timing.CostFacts`` (this rank's tokens,
@@ -158,6 +168,11 @@ class Algorithm:
     def fallback_experts(self, work: BlockWork) -> list[str]:
         """Experts this rank quantized with RTN because no calibration token reached them."""
         return []
+
+    def expert_tokens(self, work: BlockWork) -> dict[str, dict[int, tuple[int, int]]]:
+        """By experts module, each expert this rank calibrated: (tokens the router sent it, tokens its statistics
+        saw), over every rank's tokens; {} for an algorithm that calibrates no expert."""
+        return {}
 
     def block_report(self, work: BlockWork) -> dict | None:
         """What the report keeps about this block (None: nothing)."""

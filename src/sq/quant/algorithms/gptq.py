@@ -15,6 +15,7 @@ from sq.anatomy import decoder_blocks, is_experts_module
 from sq.errors import SqError
 from sq.parallel.collectives import dim0_counts, gather_rows, scatter_rows
 from sq.quant.algorithms.base import Algorithm, register, rtn_cost
+from sq.quant import rtn
 from sq.quant.rtn import rtn_rows
 from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.experts import ExpertCalibration, local_experts
@@ -23,7 +24,7 @@ from sq.quant.served import ServedActivations
 from sq.formats import primitives
 from sq.formats.specs import spec_for
 from sq.quant.experts import whole_rows_stats
-from sq.quant.gptq import BATCH_ELEMS, GPTAQConfig, GPTQ, GPTQConfig, Problem, quantize_together
+from sq.quant.gptq import BATCH_ELEMS, GPTAQConfig, GPTQ, GPTQConfig, Problem, hessian_dtype, quantize_together
 from sq.quant.recipe import scheme_tag
 
 # Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
@@ -88,8 +89,8 @@ class Counting:
         return hook
 
     def all_reduce(self) -> None:
-        """Every rank's tokens in each accumulator (``H``, GPTAQ's cross term, the sample count): a collective,
-        the accumulators in the same order on every rank."""
+        """Every rank's tokens in each accumulator on every rank (``H``, GPTAQ's cross term, the sample count), for
+        a caller that solves every Linear's rows where they are (the bit-budget search's scoring)."""
         for g in self.gptq.values():
             n = torch.tensor([g.nsamples], dtype=torch.int64, device=self.device)
             dist.all_reduce(g.H)
@@ -97,6 +98,32 @@ class Counting:
                 dist.all_reduce(g.cross)
             dist.all_reduce(n)
             g.nsamples = int(n.item())
+
+    def reduce_to_owners(self, world: int, rank: int) -> None:
+        """Every rank's tokens in each accumulator (``H``, GPTAQ's cross term) on the one rank that solves it and
+        nowhere else: a reduce, not an all-reduce, so a rank holds only the Hessians it owns after the forward
+        (DeepSeek-V3's o_proj alone is 1 GiB) and sends each one once.  ``owner`` is ``_owners``' plan from the
+        shapes (the same on every rank; the accumulators in the same order everywhere); the sample counts are
+        summed on every rank in one small all-reduce.  One rank: its own sums, nothing to combine."""
+        gs = list(self.gptq.items())
+        rows = dict.fromkeys(self.gptq, 0)
+        for name, lead in self.leaders.lead.items():
+            if lead in rows:
+                rows[lead] += self.modules[name].out_features
+        owners = _owners([_solve_cost(g.in_features, rows[lead]) for lead, g in gs], world)
+        for (_, g), o in zip(gs, owners):
+            g.owner = o
+        if world == 1 or not gs:
+            return
+        n = torch.tensor([g.nsamples for _, g in gs], dtype=torch.int64, device=self.device)
+        dist.all_reduce(n)
+        for (_, g), o, k in zip(gs, owners, n.tolist()):
+            dist.reduce(g.H, dst=o)
+            if g.cross is not None:
+                dist.reduce(g.cross, dst=o)
+            g.nsamples = k
+            if rank != o:
+                g.free()
 
     def release(self) -> None:
         """Drop the full-precision pass's inputs (a batch's are held until its quantized pass is done)."""
@@ -137,9 +164,9 @@ class GPTQAlgorithm(Algorithm):
     error_metric = "output (through H)"
     rank_dependent_memory = True  # each stack is solved by its owner
     sweeps = True
-    memory_knob = ("GPTQ's float64 Hessians and its sweep grow with the square of each Linear's input width: a "
-                   "dense block's are whole on every rank, an MoE's expert Hessians split by --ep over more ranks; "
-                   "--algo rtn holds none")
+    memory_knob = ("GPTQ's float32 Hessians and its solve grow with the square of each Linear's input width: each "
+                   "dense one is solved on one rank (more ranks spread them), an MoE's expert Hessians split by --ep "
+                   "over more ranks; --algo rtn holds none")
 
     def __init__(self, config):
         super().__init__(config)
@@ -186,45 +213,76 @@ class GPTQAlgorithm(Algorithm):
         served.remove()
         for c in calibs:
             c.remove()
-        counting.all_reduce()
+        counting.reduce_to_owners(work.world, work.rank)
+        for g in counting.gptq.values():
+            g.report_dtype = rtn.err_dtype(work.inputs)
         work.state["counting"] = counting
         work.state["calibs"] = {id(c.experts): c for c in calibs}
 
+    def _owned(self, facts) -> list[int]:
+        """Which of the block's accumulators (``facts.block.accumulators``) rank ``facts.rank`` solves: all on one
+        rank, else ``_owners``' plan from the shapes (``Counting.reduce_to_owners`` makes the same)."""
+        acc = facts.block.accumulators
+        if facts.world == 1:
+            return list(range(len(acc)))
+        owners = _owners([_solve_cost(n, rows) for n, rows in acc], facts.world)
+        return [k for k, o in enumerate(owners) if o == facts.rank]
+
+    def forward_memory(self, facts) -> list[tuple[int, int]]:
+        """Every dense Hessian (and GPTAQ's cross term) as the forwards accumulate it on every rank; after the
+        forward each is reduced to its owner and freed elsewhere (``memory``'s solve counts the owned ones)."""
+        return [(_hbytes(n) * n * n, 2 if self.pairs_chains else 1) for n, _ in facts.block.accumulators]
+
+    def solve_stages(self, facts) -> list[tuple[str, list[tuple[int, int]]]]:
+        return self._phases(facts)[1]
+
     def memory(self, facts) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """Held: the block's float64 Hessians (one per distinct input; experts: one shared input Hessian under
-        calibrate-all, else one per owned expert, and one down-projection Hessian per owned expert), and
-        GPTAQ's cross terms beside them (with one step's full-precision inputs to every Linear).  The solve:
-        on more than one rank, the whole rows of the stacks this rank solves (``_owners``: the same plan the
-        solve makes), gathered, and what it returns for them; the largest of its solves' prepared Hessian
-        (float64), float32 factor and inverse, and its stack of rows (float32, permuted, the copy, the codes,
-        the dequantized rows); the experts' stacked solves likewise."""
-        b, cb, wb = facts.block, facts.compute_bytes, facts.weight_bytes
-        hess = [(8 * n * n, 1) for n, _ in b.accumulators]
+        held, stages = self._phases(facts)
+        return held, max((bufs for _, bufs in stages), key=lambda bufs: sum(n * k for n, k in bufs), default=[])
+
+    def _phases(self, facts) -> tuple[list[tuple[int, int]], list[tuple[str, list[tuple[int, int]]]]]:
+        """Held: the float32 Hessians this rank solves (the dense ones it owns -- ``forward_memory`` has the
+        others --, the experts' shared input Hessian under calibrate-all, else one per owned expert, and one
+        down-projection Hessian per owned expert), GPTAQ's cross terms beside them (with one step's
+        full-precision inputs to every Linear).  The solve, one width at a time (``_solve_owned``): the whole
+        rows of that width's stacks gathered, and what it returns for them; the prepared factors of the stacks
+        before the last, which is being factorized (its permuted copy, the factor written beside it and the
+        half-size product and Schur complement of ``_lower_inverse_into``); the sweep's rows (float32, permuted,
+        the copy, the codes, the dequantized rows).  Owned Hessians of widths solved earlier are freed by then.
+        The experts' stacked solves likewise, after the dense ones."""
+        b, cb, wb, pair = facts.block, facts.compute_bytes, facts.weight_bytes, 2 if self.pairs_chains else 1
+        owned = [b.accumulators[k] for k in self._owned(facts)]
+        hess: list[tuple[int, int]] = []
         for n, h, i in b.experts_modules:
             own = facts.owned_experts(n)
-            hess += [(8 * h * h, 1 if facts.calibrate_all_experts else own), (8 * i * i, own)]
-        held = [(n, k * (2 if self.pairs_chains else 1)) for n, k in hess]
+            hess += [(4 * h * h, 1 if facts.calibrate_all_experts else own), (4 * i * i, own)]
+        held = [(n, k * pair) for n, k in hess]
         if self.pairs_chains:
             held += [(facts.step_tokens * n * cb, 1) for n, _ in b.accumulators]
-        stacks = list(b.accumulators)  # (width, rows): a stack of the Linears reading one input
-        owners = _owners([_solve_cost(n, rows) for n, rows in stacks], facts.world) if facts.world > 1 else None
-        solve = []
-        if owners is not None:
-            stacks = [st for st, o in zip(stacks, owners) if o == facts.rank]
-            solve += [(n * rows * wb, 1) for n, rows in stacks] + [(n * rows * (wb + 1), 1) for n, rows in stacks]
-        jobs = _sweeps(stacks)  # (width, solves, elements) of each sweep
+        phases: list[tuple[str, list[tuple[int, int]]]] = []
+        widths = list(dict.fromkeys(n for n, _ in owned))
+        for w_i, width in enumerate(widths):
+            group = [(n, rows) for n, rows in owned if n == width]
+            hb = _hbytes(width)
+            # the sums not solved yet; this width's kept in the report's dtype once permuted (GPTQ._prepare)
+            kept = hb if hb == 8 or self.pairs_chains else min(4, cb)
+            base = [(_hbytes(n) * n * n, pair) for n, _ in owned if n in widths[w_i + 1:]] + [(kept * width * width,
+                                                                                             len(group) * pair)]
+            if facts.world > 1:  # the stacks' whole rows gathered, and what the solve returns for them
+                base += [(n * rows * wb, 1) for n, rows in group] + [(n * rows * (wb + 1), 1) for n, rows in group]
+            phases.append(("dense", base + _prepare_buffers(width, len(group), hb)))
+            phases.append(("dense", base + [(4 * width * width, len(group))] + _sweep_buffers(_sweeps(group))))
         for n, h, i in b.experts_modules:
             own = facts.owned_experts(n)
             down = min(max(EXPERT_STACK_ELEMS, i * h), own * i * h)
-            jobs += [(h, 1, min(max(EXPERT_STACK_ELEMS, 2 * i * h), own * 2 * i * h)), (i, down // (i * h), down)]
-        if jobs:  # one factorization's working copies, each solve's prepared factor, the sweep's rows
-            solve += max(([(8 * w * w, 1), (4 * w * w, 1 + k), (4 * e, 2), (2 * e, 2), (e, 1)] for w, k, e in jobs),
-                         key=lambda bufs: sum(n * k for n, k in bufs))
-        return held, solve
+            for w, k, e in [(h, 1, min(max(EXPERT_STACK_ELEMS, 2 * i * h), own * 2 * i * h)), (i, down // (i * h), down)]:
+                phases.append(("end", _prepare_buffers(w, k, 4)))
+                phases.append(("end", [(4 * w * w, k)] + _sweep_buffers([(w, k, e)])))
+        return held, phases
 
     def cost(self, facts) -> dict[str, Cost]:
         """Calibrate: the forward with every expert on every token, each sample's ``x^T x`` accumulated
-        (``hessian``: tokens x width^2) and all-reduced; experts' Hessians in float64 over the tokens of the
+        (``hessian``: tokens x width^2) and reduced to its owner; experts' Hessians in float32 over the tokens of the
         --ep group.  Solve: the stacks this rank owns (``_owners``; their rows gathered to it and scattered
         back), each a factorization (``width^3``) and a sweep of ``width`` columns over its rows; experts:
         gate_up stacked under one shared Hessian, down one sweep per expert, over this rank's rows of its
@@ -236,8 +294,11 @@ class GPTQAlgorithm(Algorithm):
         elif facts.fwd is not None and b.linears and not b.experts_modules:
             n_in, n_out = b.linears[-1]  # the block's last Linear computes nothing here (Counting's skip_last)
             cal = cal + Cost(gemm=-2 * t * n_in * n_out)
-        for n, _ in b.accumulators:
-            cal = cal + Cost(hessian=t * n * n, link=16 * n * n, collectives=2) if world > 1 else cal + Cost(hessian=t * n * n)
+        for n, _ in b.accumulators:  # each float32 sum reduced to its owner (one all-reduce of the counts)
+            cal = cal + (Cost(hessian=t * n * n, link=_hbytes(n) * n * n, collectives=1) if world > 1
+                         else Cost(hessian=t * n * n))
+        if world > 1 and b.accumulators:
+            cal = cal + Cost(collectives=1)
         solve = rtn_cost(facts, passes=2)  # the rows handed to the solve, the results written back
         stacks = list(b.accumulators)
         if world > 1:
@@ -255,15 +316,17 @@ class GPTQAlgorithm(Algorithm):
             split = facts.ep if facts.ep > 1 else world
             own, dp = math.ceil(n_e / split), (world // facts.ep if facts.ep > 1 else 1)
             group = t * split  # the tokens every expert sees (calibrate-all: gathered from the other ranks)
+            if world > 1:  # ExpertCalibration gathers every rank's hidden states and routes to the owners
+                cal = cal + Cost(link=t * world * h * facts.compute_bytes, collectives=4 * facts.steps)
             routed = group * min(1.0, facts.top_k / n_e)
             up_rows, down_rows = math.ceil(2 * i / dp), math.ceil(h / dp)
             if facts.calibrate_all_experts:
-                cal = cal + Cost(gemm64=2 * group * (h * h + own * i * i))
+                cal = cal + Cost(gemm32=2 * group * (h * h + own * i * i))
                 per = max(1, EXPERT_STACK_ELEMS // (up_rows * h))
                 solve = solve + Cost(factor=h**3, solves=1, columns=h * math.ceil(own / per), cells=h * own * up_rows,
                                      gemm32=2 * own * up_rows * h * h)
             else:
-                cal = cal + Cost(gemm64=2 * routed * own * (h * h + i * i))
+                cal = cal + Cost(gemm32=2 * routed * own * (h * h + i * i))
                 # each its own Hessian, swept together (one height: one batched error push a column)
                 ups = math.ceil(own / max(1, EXPERT_STACK_ELEMS // (up_rows * h)))
                 solve = solve + Cost(factor=own * h**3, solves=own, columns=ups * h, cells=own * h * up_rows,
@@ -354,19 +417,36 @@ class GPTQAlgorithm(Algorithm):
         stack are the ones a single rank would solve: the world-size-1 solve's bits."""
         rank, world = work.rank, work.world
         counts = {i: dim0_counts(items[i][0].module.out_features, world) for _, idx in stacks for i in idx}
-        owners = _owners([_solve_cost(g.in_features, sum(items[i][0].module.out_features for i in idx))
-                          for g, idx in stacks], world)
+        # where its Hessian was reduced to (Counting.reduce_to_owners); Hessians summed elsewhere: the same plan
+        owners = [g.owner for g, _ in stacks]
+        if None in owners:
+            owners = _owners([_solve_cost(g.in_features, sum(items[i][0].module.out_features for i in idx))
+                              for g, idx in stacks], world)
         full = {}
         for (g, idx), o in zip(stacks, owners):
             for i in idx:
                 full[i] = gather_rows(items[i][1], counts[i], o)
         mine: dict[int, Solved] = {}
+        terms: dict[int, list[float]] = {}
         failure = None
         own = [(g, idx) for (g, idx), o in zip(stacks, owners) if o == rank]
+        h_cast: dict = {}
+        dtype = rtn.err_dtype(work.inputs)
         try:
-            for (g, idx), solved in zip(own, self._solve_stacks(work, [(g, [items[i][0] for i in idx],
-                                                                        [full[i] for i in idx]) for g, idx in own])):
-                mine.update(zip(idx, solved))
+            # one width at a time (its stacks share one column sweep): solved, measured, their Hessians freed
+            for width in dict.fromkeys(g.in_features for g, _ in own):
+                group = [(g, idx) for g, idx in own if g.in_features == width]
+                for (g, idx), solved in zip(group, self._solve_stacks(
+                        work, [(g, [items[i][0] for i in idx], [full[i] for i in idx]) for g, idx in group])):
+                    mine.update(zip(idx, solved))
+                    for i in idx:  # the report's terms over the whole weight, here where its Hessian is
+                        lin = items[i][0]
+                        terms[i] = rtn.report_terms(full[i], mine[i].deq, g.H, lin.scheme, work.linear_stats.get(lin.name),
+                                                    0, True, h_cast, dtype)
+                        full[i] = None
+                h_cast.clear()
+                for g, _ in group:
+                    g.free()
         except Exception as e:  # every rank must learn of it, or the others wait in the scatter
             failure = e
         full.clear()
@@ -385,8 +465,9 @@ class GPTQAlgorithm(Algorithm):
                                device=work.device)
             for i, deq in zip(idx, got):
                 s = mine.get(i)
-                out[i] = Solved(None, None, None, deq, H=g.H, global_scale=None if s is None else s.global_scale,
-                                writer=o, whole=None if s is None else (s.q, s.scale, s.zero_point))
+                out[i] = Solved(None, None, None, deq, global_scale=None if s is None else s.global_scale,
+                                writer=o, whole=None if s is None else (s.q, s.scale, s.zero_point),
+                                terms=terms.get(i, [0.0] * 4))
         return out
 
     @staticmethod
@@ -461,6 +542,15 @@ class GPTQAlgorithm(Algorithm):
     def fallback_experts(self, work: BlockWork) -> list[str]:
         return work.state.get("fallback", [])
 
+    def expert_tokens(self, work: BlockWork) -> dict[str, dict[int, tuple[int, int]]]:
+        out = {}
+        for eprefix, ex, _ in work.experts:
+            calib = work.state["calibs"].get(id(ex))
+            if calib is not None:
+                out[eprefix] = {e: (calib.routed.get(e, 0), calib.h_mid[e].nsamples) for e in calib.mine
+                                if e in calib.h_mid}
+        return out
+
     def release(self, work: BlockWork) -> None:
         for g in work.state["counting"].gptq.values():
             g.free()
@@ -485,6 +575,29 @@ class GPTAQAlgorithm(GPTQAlgorithm):
     config_type = GPTAQConfig
     fp_chain = True
     pairs_chains = True
+
+
+def _hbytes(width: int) -> int:
+    """Bytes per element of a dense Hessian ``width`` wide (``sq.quant.gptq.hessian_dtype``)."""
+    return torch.empty((), dtype=hessian_dtype(width)).element_size()
+
+
+def _prepare_buffers(width: int, k: int, hb: int) -> list[tuple[int, int]]:
+    """The solve's Hessian-side buffers while the last of ``k`` Hessians ``width`` wide (``hb`` bytes an element)
+    is prepared (``GPTQ._prepare``), beside the sums: the factors of the ``k - 1`` before it (float32), its
+    permuted copy, the inverse factor written beside it and ``_lower_inverse_into``'s half-size product and
+    Schur complement; a float64 Hessian's float32 copy and its flipped factor besides."""
+    one = width * width
+    bufs = [(4 * one, k - 1), (hb * one, 1), (4 * one, 1), (one, 2)]
+    return bufs + ([(4 * one, 2)] if hb == 8 else [])
+
+
+def _sweep_buffers(sweeps) -> list[tuple[int, int]]:
+    """A column sweep's rows (``_sweeps``' ``(width, solves, elements)``, the largest): the float32 copy and its
+    transposed, permuted copy (the sweep's buffer), the codes and their transposed copy, the dequantized rows in
+    float32 and in the weight's dtype."""
+    e = max((e for _, _, e in sweeps), default=0)
+    return [(4 * e, 2), (2 * e, 2), (e, 1)] if e else []
 
 
 def _same_stats(scheme, a, b) -> bool:
