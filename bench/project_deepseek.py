@@ -36,6 +36,11 @@ NVME = 6e9              # per-node read bandwidth of a local NVMe RAID (assumed;
 B = 2  # bf16 bytes
 
 
+def hbytes(n: int) -> int:
+    """A dense Hessian's bytes per element (sq.quant.gptq.hessian_dtype): float64 up to 4096 wide, float32 beyond."""
+    return 8 if 8 * n * n <= 128 << 20 else 4
+
+
 def attn_linears():
     """(in, out) of MLA's projections."""
     return {"q_a_proj": (H, Q_LORA), "q_b_proj": (Q_LORA, HEADS * (D_NOPE + D_ROPE)),
@@ -63,11 +68,11 @@ def project(world: int, nodes: int) -> dict:
     r["block shard (bf16)"] = moe_block * B / world
     r["dense part gathered in a forward (bf16)"] = dense_part * B
     r["chain: inputs + outputs of the rank's samples (bf16)"] = 2 * tok_rank * H * B
-    hess_dense = 8 * (H * H + Q_LORA ** 2 + KV_LORA ** 2 + (HEADS * D_V) ** 2 + H * H + I_MOE ** 2)
-    r["dense Hessians (fp64: q_a/kv_a, q_b, kv_b, o, shared gate/up, shared down)"] = hess_dense
-    r["expert Hessians before the shared h_in: one h_in + h_mid per owned expert (fp64)"] = (E // ep) * 8 * (H * H + I_MOE ** 2)
-    r["expert Hessians as implemented: one shared h_in + h_mid per owned expert (fp64)"] = (
-        8 * H * H + (E // ep) * 8 * I_MOE ** 2)
+    widths = [H, Q_LORA, KV_LORA, HEADS * D_V, H, I_MOE]  # q_a/kv_a, q_b, kv_b, o, shared gate/up, shared down
+    hess_dense = sum(hbytes(n) * n * n for n in widths)
+    r["dense Hessians during the forward (every one on every rank; float32 past 4096 wide, else fp64)"] = hess_dense
+    r["dense Hessians during the solve (the largest owned: o_proj, float32, on one rank)"] = 4 * (HEADS * D_V) ** 2
+    r["expert Hessians: one shared h_in + h_mid per owned expert (float32)"] = 4 * H * H + (E // ep) * 4 * I_MOE ** 2
     step_tokens = world * CALIB_BATCH * SEQLEN
     r["routed tokens of one step at an owner (calibrate-all: every token, bf16)"] = step_tokens * H * B
     # bytes
@@ -78,7 +83,7 @@ def project(world: int, nodes: int) -> dict:
     r["written per rank (W4A16 g128 + bf16 rest)"] = out_bytes / world
     # collectives per MoE block per rank (received bytes)
     r["FSDP all-gathers (2 passes x steps x dense part)"] = 2 * steps * dense_part * B * (world - 1) / world
-    r["dense Hessian all-reduce (ring, fp64)"] = 2 * hess_dense * (world - 1) / world
+    r["dense Hessians reduced to their solvers (each once)"] = hess_dense * (world - 1) / world
     r["tokens to expert owners, calibrate-all (2 passes)"] = 2 * steps * (world - 1) * CALIB_BATCH * SEQLEN * H * B
     # FLOPs per MoE block, all ranks together
     f = {}
@@ -88,9 +93,8 @@ def project(world: int, nodes: int) -> dict:
     f["calibrate-all: gate/up of every expert on every token"] = E * 2 * 2 * H * I_MOE * TOKENS
     f["dense Hessians x^T x (fp32 products)"] = 2 * TOKENS * (H * H + Q_LORA ** 2 + KV_LORA ** 2 + (HEADS * D_V) ** 2
                                                             + H * H + I_MOE ** 2)
-    f["expert h_in per expert (before the shared h_in, fp64)"] = E * 2 * H * H * TOKENS
-    f["expert h_in once, shared (as implemented, fp64)"] = 2 * H * H * TOKENS
-    f["expert h_mid per expert (as implemented, fp64)"] = E * 2 * I_MOE * I_MOE * TOKENS
+    f["expert h_in once, shared (float32)"] = 2 * H * H * TOKENS
+    f["expert h_mid per expert (float32)"] = E * 2 * I_MOE * I_MOE * TOKENS
     f["GPTQ solves (Cholesky + sweep ~ 2 cols^3 + rows cols^2 per Linear)"] = sum(
         2 * i ** 3 + o * i * i for i, o in attn_linears().values()) + (E + SHARED) * (
         2 * (2 * H ** 3) + 2 * I_MOE * H * H + 2 * I_MOE ** 3 + H * I_MOE ** 2)
@@ -103,14 +107,12 @@ def project(world: int, nodes: int) -> dict:
                             + f["forward, routed top-8 + shared experts (2 passes)"]) / bf16
     t["calibrate-all gate/up (bf16)"] = f["calibrate-all: gate/up of every expert on every token"] / bf16
     t["dense Hessians (fp32)"] = f["dense Hessians x^T x (fp32 products)"] / fp32
-    t["expert Hessians before the shared h_in (per-expert h_in, fp64)"] = (f["expert h_in per expert (before the shared h_in, fp64)"]
-                                                               + f["expert h_mid per expert (as implemented, fp64)"]) / fp64
-    t["expert Hessians as implemented (shared h_in, fp64)"] = (f["expert h_in once, shared (as implemented, fp64)"]
-                                                               + f["expert h_mid per expert (as implemented, fp64)"]) / fp64
-    t["GPTQ solves (fp64/fp32 mix, as fp32)"] = f["GPTQ solves (Cholesky + sweep ~ 2 cols^3 + rows cols^2 per Linear)"] / fp32
+    t["expert Hessians (float32)"] = (f["expert h_in once, shared (float32)"]
+                                      + f["expert h_mid per expert (float32)"]) / fp32
+    t["GPTQ solves (float32)"] = f["GPTQ solves (Cholesky + sweep ~ 2 cols^3 + rows cols^2 per Linear)"] / fp32
     link = NVLINK if nodes == 1 else IB
     t["collectives (at the slowest link)"] = (r["FSDP all-gathers (2 passes x steps x dense part)"]
-                                              + r["dense Hessian all-reduce (ring, fp64)"]
+                                              + r["dense Hessians reduced to their solvers (each once)"]
                                               + r["tokens to expert owners, calibrate-all (2 passes)"]) / link
     t["read the block (bf16 source, local NVMe per node)"] = moe_block * B / nodes / NVME
     r["time"] = t
@@ -143,13 +145,10 @@ def main():
     for name, r in runs.items():
         t = r["time"]
         now = (t["forwards (bf16)"] + t["calibrate-all gate/up (bf16)"] + t["dense Hessians (fp32)"]
-               + t["expert Hessians as implemented (shared h_in, fp64)"] + t["GPTQ solves (fp64/fp32 mix, as fp32)"])
-        before = now - t["expert Hessians as implemented (shared h_in, fp64)"] + t[
-            "expert Hessians before the shared h_in (per-expert h_in, fp64)"]
+               + t["expert Hessians (float32)"] + t["GPTQ solves (float32)"])
         io = max(t["collectives (at the slowest link)"], t["read the block (bf16 source, local NVMe per node)"])
         n = L - L_DENSE
-        print(f"\n{name}: compute per MoE block as implemented {now:,.0f} s -> {n} blocks {n * now / 3600:,.2f} h "
-              f"(before the shared h_in: {before:,.0f} s -> {n * before / 3600:,.1f} h); "
+        print(f"\n{name}: compute per MoE block as implemented {now:,.0f} s -> {n} blocks {n * now / 3600:,.2f} h; "
               f"+ collectives/reads {io:,.0f} s per block if not overlapped")
 
 

@@ -96,8 +96,14 @@ def summary_lines(report: dict, worst: int = 5) -> list[str]:
         for name, e in layers:
             rtn = f" (RTN {e['rtn_rel_err']:.4f})" if "rtn_rel_err" in e else ""
             lines.append(f"    {e['rel_err']:.4f}{rtn}  {name}")
+    ex = report.get("experts")
+    if ex and ex.get("tokens"):  # the tokens the router sent each expert, fewest and most, and the policy
+        routed = [n for t in ex["tokens"].values() for n in t["routed"]]
+        lines.append(f"  experts: {len(routed)} in {len(ex['tokens'])} module(s), routed tokens {min(routed)}-"
+                     f"{max(routed)} per expert; {ex['policy'].split(':')[0]}")
     if report.get("experts_rtn_fallback"):
-        lines.append(f"  {report['experts_rtn_fallback']} expert(s) saw no calibration token (RTN)")
+        lines.append(f"  {report['experts_rtn_fallback']} expert(s) saw no calibration token (RTN): "
+                     + ", ".join((ex or {}).get("rtn", [])[:8]) + (" ..." if len((ex or {}).get("rtn", [])) > 8 else ""))
     rot = report.get("rotation")
     if rot:  # --rotate: what was rotated and how closely each proof held
         errors = [b["error"] for b in rot["blocks"].values()] + ([rot["root"]["error"]] if "root" in rot else [])
@@ -114,16 +120,30 @@ def summary_lines(report: dict, worst: int = 5) -> list[str]:
 
 
 def write_report_png(report: dict, path: Path) -> Path | None:
-    """Per-layer relative error and per-block time by phase; ``None`` without matplotlib."""
+    """Per-layer relative error, per-block time by phase and, for an MoE, tokens per expert; ``None`` without
+    matplotlib."""
     try:  # the object API, not pyplot: no global state, and half the import and layout time
         from matplotlib.figure import Figure
     except ImportError:
         logger.info("matplotlib is not installed: no %s (pip install matplotlib)", path.name)
         return None
     layers = list(report["layers"].items())
-    fig = Figure(figsize=(11, 7))
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.95, bottom=0.08, hspace=0.35)
-    ax1, ax2 = fig.subplots(2, 1)
+    experts = (report.get("experts") or {}).get("tokens") or {}
+    fig = Figure(figsize=(11, 10 if experts else 7))
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.95, bottom=0.06, hspace=0.4)
+    ax1, ax2, *ax3 = fig.subplots(3 if experts else 2, 1)
+    if experts:  # tokens per expert: where the router sent them, and what each one's statistics saw
+        ax = ax3[0]
+        for eprefix, t in experts.items():
+            ax.plot(t["routed"], ".", alpha=0.7, label=f"{eprefix}: routed")
+        calibrated = sorted({c for t in experts.values() for c in t["calibrated"]})
+        ax.set_xlabel("expert")
+        ax.set_ylabel("calibration tokens")
+        ax.set_title(f"tokens per expert (calibrated: {calibrated[0]}" + (f"-{calibrated[-1]}" if len(calibrated) > 1
+                                                                       else "") +
+                     f"; {len(report['experts'].get('rtn', []))} rounded to nearest)")
+        if len(experts) <= 6:
+            ax.legend(fontsize="small")
     if layers:
         x = range(len(layers))
         ax1.plot(x, [e["rel_err"] for _, e in layers], ".", label=report["args"].get("algo", ""))
