@@ -76,3 +76,38 @@ def test_a_layer_that_does_not_fit_is_refused_naming_the_layout_that_does(tmp_pa
     fits = re.search(r"it fits on (\d+) such nodes: --nnodes (\d+) --nproc-per-node 2 --ep (\d+) \(predicted peak", problems[0])
     assert fits and fits[1] == fits[2] and int(fits[1]) > 1, problems[0]
     assert problems[0].endswith("or pass --no-preflight to try anyway"), problems[0]
+
+
+def test_fit_memory_is_named_then_taken(tmp_path):
+    """Two MoE layers: the second block computes while the first one's files (2 x 64 experts' codes) are written
+    in the background.  On a node just too small for that, the plan names --fit-memory (the files written first,
+    the same output); with it, the job fits and the plan says what was chosen."""
+    model_type, cfg = real_config("DeepSeek-V3", layers=2, experts=64)
+    path = build_sparse(tmp_path / "ckpt", model_type, **cfg)
+    args = ["--model", str(path), "--output", str(tmp_path / "o"), "--algo", "gptq", "--scheme", "W4A16",
+            "--group-size", "128", "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN), "--ep", "2"]
+    roomy, _ = plan_job(config_from(build_parser().parse_args(args)), nproc_per_node=2, host_memory=1000)
+    tight = (roomy["memory"]["need_bytes"] - (1 << 20)) / 2**30
+    p, problems = plan_job(config_from(build_parser().parse_args(args)), nproc_per_node=2, host_memory=tight)
+    assert not p["fits"] and "--fit-memory makes it fit on these ranks" in problems[0], problems
+    p, problems = plan_job(config_from(build_parser().parse_args([*args, "--fit-memory"])), nproc_per_node=2,
+                           host_memory=tight)
+    assert p["fits"] and not problems, problems
+    assert p["memory"]["fit"]["write_overlap"] is False and p["memory"]["need_bytes"] < roomy["memory"]["need_bytes"]
+
+
+def test_without_overlap_each_blocks_files_are_written_before_the_next_block():
+    import threading
+
+    from sq.run import BlockFiles
+
+    files, gate, done = BlockFiles(), threading.Event(), threading.Event()
+    files.submit(lambda: (gate.wait(60), done.set()))  # overlapped: still writing when submit returns
+    assert not done.is_set()
+    gate.set()
+    files.close()
+    files, done = BlockFiles(), threading.Event()
+    files.overlap = False
+    files.submit(done.set)  # --fit-memory's choice: written before submit returns
+    assert done.is_set()
+    files.close()

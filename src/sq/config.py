@@ -67,6 +67,9 @@ class PTQConfig:
     # SmoothQuant's migration strength: activation outliers moved into the weights before the algorithm (sq.quant.smooth)
     smooth: float | None = None
     preflight: bool = True  # refuse a job whose predicted disk need exceeds the free space (sq.pipeline.disk)
+    # where the memory preflight says the job does not fit: take the settings that shrink it without changing the
+    # output (each block's files written before the next block starts) if that makes it fit; the report says so
+    fit_memory: bool = False
 
     @classmethod
     def build(cls, *, algo: str | AlgoConfig = "gptq", **kw) -> PTQConfig:
@@ -174,7 +177,7 @@ class PTQConfig:
         # the schemes (a scheme names its grid), where it is kept out while standard; preflight only checks disk
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite",
                   "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched", "int_grid",
-                  "preflight"):
+                  "preflight", "fit_memory"):
             d.pop(k)
         if not calibrated:
             for k in CALIBRATION_FIELDS:

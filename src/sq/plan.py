@@ -73,7 +73,7 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     from sq.load.meta import build_skeleton
     from sq.memory import rss_bytes
     from sq.parallel.fsdp import main_dtype
-    from sq.pipeline.footprint import carried_bytes, fitting_layout, memory_problems, predict_memory, with_layout
+    from sq.pipeline.footprint import carried_bytes, fit_memory, fitting_layout, memory_problems, predict_memory, with_layout
     from sq.pipeline.job import auto_ep
     from sq.pipeline.preflight import job_times, machine_rates
     from sq.pipeline.targets import plan_targets
@@ -142,6 +142,11 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
             host_where=None if host_memory is None else "--host-memory")
 
     mem_problems, mem_facts = check(memory)
+    mem_problems, memory, fit = fit_memory(mem_problems, memory, lambda **more: predict_memory(
+        model, targets, algo, world=world, ep=ep, **kw, **more), lambda pred: check(pred)[0], cfg.fit_memory)
+    if fit is not None:
+        mem_problems, mem_facts = check(memory)
+        mem_facts["fit"] = fit
     if mem_problems:  # name the layout that fits (more nodes like this one; the per-rank share shrinks)
         def at(w):
             e = auto_ep(model, w, algo)

@@ -150,6 +150,10 @@ def build_parser() -> ArgParser:
     p.add_argument("--no-preflight", dest="preflight", action="store_false",
                    help="skip the check, before anything is written, that the disk where --output lives has room "
                         "for the predicted checkpoint and resume state (docs/cli.md)")
+    p.add_argument("--fit-memory", action="store_true",
+                   help="where the memory preflight predicts the job does not fit, write each block's files before "
+                        "the next block starts (the same output, without the previous block's files beside the "
+                        "next one) if that makes it fit; the report's memory.fit says what was chosen")
     p.add_argument("--no-bookkeeping", dest="bookkeeping", action="store_false", help=argparse.SUPPRESS)
     return p
 
@@ -174,7 +178,7 @@ def config_from(a: argparse.Namespace):
                      int_grid=a.int_grid, target_bits=a.target_bits, search_score=a.search_score,
                      candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
                      rotate=tuple(r.strip().lower() for r in a.rotate.split(",") if r.strip()),
-                     rotate_block=a.rotate_block, preflight=a.preflight, served_activations=a.served_activations,
+                     rotate_block=a.rotate_block, preflight=a.preflight, fit_memory=a.fit_memory, served_activations=a.served_activations,
                      smooth=a.smooth,
                      fault=os.environ.get("SQ_FAULT"))
 

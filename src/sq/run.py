@@ -157,6 +157,9 @@ class BlockFiles:
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sq-files")
         self._pending: Future | None = None
+        # False (--fit-memory's choice): each block's files written before the next block starts, so its tensors
+        # and their serialized bytes are gone by then; the files are the same
+        self.overlap = True
 
     def wait(self) -> float:
         """Seconds spent waiting for the pending block's files (0 if none)."""
@@ -170,7 +173,7 @@ class BlockFiles:
     def submit(self, fn: Callable[[], None]) -> float:
         waited = self.wait()
         self._pending = self._pool.submit(fn)
-        return waited
+        return waited if self.overlap else waited + self.wait()
 
     def close(self, check: bool = True) -> None:
         """Wait for what was submitted; ``check``: raise its error, if any."""

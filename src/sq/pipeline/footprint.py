@@ -54,7 +54,7 @@ from sq.quant.attention import attention_shape
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE, CALIB_BATCH
 
 __all__ = ["BlockShape", "MemoryFacts", "predict_memory", "predict_ranks", "memory_problems", "available_host_bytes", "Buffers",
-           "carried_bytes", "fitting_layout", "with_layout"]
+           "carried_bytes", "fitting_layout", "with_layout", "fit_memory"]
 
 
 def _bytes(dtype: torch.dtype | None) -> int:
@@ -185,13 +185,15 @@ def predict_memory(model: nn.Module, targets, algo, *, rank: int | None = None, 
 def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: int, ep: int, nsamples: int,
                   seqlen: int, calibrated: bool, compute_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
                   calibrate_all_experts: bool = True, device: str = "cpu", resident: bool = False,
-                  bookkeeping: bool = True, carried: int = 0, hand_chunks: tuple[int, ...] = ()) -> dict[int, dict]:
+                  bookkeeping: bool = True, carried: int = 0, hand_chunks: tuple[int, ...] = (),
+                  overlap: bool = True) -> dict[int, dict]:
     """Each of ``ranks``' predicted peak and its parts (bytes), by rank: what does not depend on the rank (the
     block, the chain, the activations) is counted once per distinct block, only the algorithm's part per rank.
     ``resident``: the weights are in memory already (the Python API's model), so in ``base``: no root or shard
     to fill.  ``carried``: the bytes of the largest checkpoint tensor the model has no slot for (an MTP layer's), in
     the model's dtype (FP8 ones dequantized): rank 0 writes them at the end, one at a time (:func:`carried_bytes`).
-    ``hand_chunks``: ``MemoryFacts.hand_chunks``."""
+    ``hand_chunks``: ``MemoryFacts.hand_chunks``.  ``overlap``: the previous block's files are written while a
+    block computes (False: ``--fit-memory``'s choice, written before it starts)."""
     ranks = list(ranks)
     wb, cb = _bytes(weight_dtype), _bytes(compute_dtype or weight_dtype)
     hidden = int(model.get_input_embeddings().weight.shape[-1])
@@ -215,7 +217,7 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
         step = facts.step_tokens
         # the previous block's files, written in the background while this one computes: this rank's share of
         # its tensors, and the same serialized in memory (sq.export.writer.write_shard)
-        written = math.ceil(block_output_bytes(targets, b - 1, weight_dtype) / world) if b else 0
+        written = math.ceil(block_output_bytes(targets, b - 1, weight_dtype) / world) if b and overlap else 0
         block, block_fwd, block_solve = _block_buffers(shape, facts, resident)
         block += [(written, 1), (written, 1)]
         if not calibrated:  # no calibration forward: what a forward gathers is counted beside the solve (measured)
@@ -383,6 +385,28 @@ def with_layout(problem: str, fits: str | None) -> str:
     if not fits:
         return problem
     return problem.replace(NO_PREFLIGHT, f"; {fits}{NO_PREFLIGHT}") if NO_PREFLIGHT in problem else f"{problem}; {fits}"
+
+
+FIT_MEMORY = "write each block's files before the next block starts"
+
+
+def fit_memory(problems: list[str], pred: dict, predict, check, chosen: bool) -> tuple[list[str], dict, dict | None]:
+    """``--fit-memory``: where ``pred`` does not fit (``problems``), the prediction without the previous block's
+    files beside each block (``predict(overlap=False)``, the same output).  ``chosen``: the flag was given, so
+    a prediction that fits is taken (returned with its problems, none, and what was chosen); else a refusal that
+    names the flag.  Returns (problems, the prediction in force, the choice or None)."""
+    if not problems:
+        return problems, pred, None
+    other = predict(overlap=False)
+    if check(other):
+        return problems, pred, None
+    if chosen:
+        return [], other, {"write_overlap": False, "why": f"{FIT_MEMORY}: predicted peak "
+                                                          f"{size(other['predicted_peak_rank0_bytes'])} per rank, "
+                                                          f"{size(pred['predicted_peak_rank0_bytes'])} otherwise"}
+    return [with_layout(problems[0], f"--fit-memory makes it fit on these ranks ({FIT_MEMORY}: the same output, "
+                                     f"predicted peak {size(other['predicted_peak_rank0_bytes'])} per rank)"),
+            *problems[1:]], pred, None
 
 
 def fitting_layout(predict, *, world: int, local_world: int, check, most: int = 1024) -> str | None:

@@ -15,7 +15,7 @@ import torch
 
 from sq.memory import rss_bytes, trim_heap
 from sq.pipeline.disk import disk_need, disk_problems
-from sq.pipeline.footprint import carried_bytes, fitting_layout, memory_problems, predict_ranks, with_layout
+from sq.pipeline.footprint import carried_bytes, fit_memory, fitting_layout, memory_problems, predict_ranks, with_layout
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,21 @@ def memory_preflight(p) -> tuple[list[str], dict]:
               bookkeeping=cfg.bookkeeping, carried=carried_bytes(getattr(p.weights, "plan", None), p.weight_dtype, largest=True),
               hand_chunks=(p.choice.attn_chunk,) if p.choice is not None and p.choice.attn_backward == "sq"
               and p.choice.attn_chunk else ())
-    every = predict_ranks(p.model, p.targets, p.algo, ranks=range(p.world) if p.algo.rank_dependent_memory else [p.rank],
-                          **kw)
-    mine, worst = every[p.rank], max(every.values(), key=lambda m: m["predicted_peak_rank0_bytes"])
+    ranks = range(p.world) if p.algo.rank_dependent_memory else [p.rank]
+
+    def predict(**more):
+        every = predict_ranks(p.model, p.targets, p.algo, ranks=ranks, **kw, **more)
+        return {**max(every.values(), key=lambda m: m["predicted_peak_rank0_bytes"]), "mine": every[p.rank]}
+
+    worst = predict()
     problems, facts = memory_problems(worst)
+    problems, worst, fit = fit_memory(problems, worst, predict, lambda pred: memory_problems(pred)[0], cfg.fit_memory)
+    mine = worst.pop("mine")
+    if fit is not None:  # --fit-memory's choice, taken: the files of each block before the next one
+        problems, facts = memory_problems(worst)
+        facts["fit"] = fit
+        p.run.files.overlap = False
+        logger.info("--fit-memory: %s", fit["why"])
     if problems and not p.weights.in_memory:  # name the layout that fits: more nodes like this one
         from sq.pipeline.job import auto_ep
         from sq.pipeline.targets import plan_targets
