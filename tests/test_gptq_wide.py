@@ -82,3 +82,30 @@ def test_preparing_a_wide_hessian_holds_about_three_of_it(monkeypatch):
     grown = peak_rss_bytes() - before
     assert H.dtype == torch.float32
     assert grown < 4.5 * one, f"prepare grew {grown / one:.2f} Hessians"
+
+
+def test_the_wide_path_through_the_pipeline(checkpoints, tmp_path):
+    """Every Hessian float32 (SQ_F64_HESSIAN_BYTES=0) on the MoE fixture at 2 ranks: each dense sum reduced to its
+    solver, the report's terms from the solvers, the reported errors below RTN's, killed mid-block and rerun
+    bit-identical, and the output loads."""
+    import json
+
+    from harness import run_cli
+    from quant_ref import read_tensors
+    from sq.testing.checkpoints import load_with_transformers
+
+    argv = lambda out: ["sq.ptq", "--model", str(checkpoints["qwen3_moe"]), "--output", str(out), "--algo", "gptq",
+                        "--scheme", "W4A16", "--group-size", "16", "--nsamples", "4", "--seqlen", "16", "--ep", "2"]
+    env = {"SQ_F64_HESSIAN_BYTES": "0"}
+    whole = run_cli(argv(tmp_path / "a"), 2, timeout=300, env=env)
+    assert whole.returncode == 0, whole.output[-3000:]
+    report = json.loads((tmp_path / "a" / "sq_report.json").read_text())
+    assert report["layers"] and all(0 < e["rel_err"] < e["rtn_rel_err"] for e in report["layers"].values()), report["layers"]
+    killed = run_cli(argv(tmp_path / "b"), 2, timeout=300, env={**env, "SQ_FAULT": "calib:1:1"})
+    assert killed.returncode != 0
+    again = run_cli(argv(tmp_path / "b"), 2, timeout=300, env=env)
+    assert again.returncode == 0, again.output[-3000:]
+    a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = load_with_transformers(tmp_path / "a", dtype=torch.float32)
+    assert model is not None

@@ -59,6 +59,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
@@ -967,7 +968,8 @@ def hessian_dtype(in_features: int) -> torch.dtype:
     return torch.float64 if 8 * in_features * in_features <= F64_HESSIAN_BYTES else torch.float32
 
 
-F64_HESSIAN_BYTES = 128 << 20
+# the largest Hessian accumulated in float64 (SQ_F64_HESSIAN_BYTES: tests run the float32 path on toy widths)
+F64_HESSIAN_BYTES = int(os.environ.get("SQ_F64_HESSIAN_BYTES", 128 << 20))
 
 
 def _permuted(H: Tensor, rev: Tensor, c: float, band: int = 1024) -> Tensor:
