@@ -18,7 +18,8 @@ from harness import run_ranks
 from sq.errors import SqError
 from sq.parallel.collectives import dim0_counts
 from sq.quant.work import BlockWork
-from sq.quant.algorithms.gptq import GPTQAlgorithm, _owners, _solve_cost
+from sq.quant.algorithms.gptq import GPTQAlgorithm
+from sq.quant.algorithms.gptq_hessians import plan_owners as _owners, solve_cost as _solve_cost
 from sq.quant.gptq import GPTQ, GPTQConfig
 from sq.formats.schemes import get_scheme
 

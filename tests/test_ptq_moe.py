@@ -195,10 +195,10 @@ def test_auto_ep(checkpoints, arch, world, algo, want, caplog):
     (the fixture's 8 experts), 1 for dense models and for algorithms that hold experts under FSDP2."""
     from sq.load.meta import build_skeleton
     from sq.quant.algorithms import algo_config, make_algorithm
-    from sq.pipeline.job import auto_ep
+    from sq.pipeline.targets import auto_ep
 
     model = build_skeleton(checkpoints[arch])
-    with caplog.at_level("INFO", logger="sq.pipeline.job"):
+    with caplog.at_level("INFO", logger="sq.pipeline.targets"):
         assert auto_ep(model, world, make_algorithm(algo_config(algo))) == want
     if arch != "llama" and 1 < want < world:
         assert "8 experts do not split evenly over 6 ranks; --ep 2" in caplog.text

@@ -44,7 +44,7 @@ class PTQConfig:
     ignore: tuple[str, ...] = ()
     recipe: str | None = None  # mixed-precision recipe file (sq.quant.recipe)
     timeout_s: float = 600.0
-    ep: int | None = None  # None: auto (sq.pipeline.job.auto_ep), resolved before the pipeline runs
+    ep: int | None = None  # None: auto (sq.pipeline.targets.auto_ep), resolved before the pipeline runs
     resume: str = "auto"  # auto | never | require
     kv_cache: str = "none"  # none | fp8: calibrated per-layer k/v scales (sq.quant.activations)
     calib_dtype: str = "auto"  # auto | float32 | model | mixed: what calibration forwards compute in (sq.probe)

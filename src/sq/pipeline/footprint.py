@@ -239,30 +239,36 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
             fwd = algo.forward_memory(rf) if calibrated else []  # held through the forwards only
             # the solve's stages (an algorithm's own, else one: every result held): the largest, with the block's
             # buffers of that stage
-            stages = (algo.solve_stages(rf) if calibrated else []) or [("end", solve)]
-            by_stage = {"dense": _early_solve(shape, facts), "end": block_solve}
+            stages = algo.solve_stages(rf) if calibrated else []
+            if not stages:  # an algorithm that does not say: the forward's and the solve's block buffers together
+                stages, solving_all = [("end", solve)], block_solve + block_fwd
+            else:
+                solving_all = block_solve
+            # (one rank solves every width in one call: the earlier widths' results are held by the last one's)
+            by_stage = {"dense": block_solve if world == 1 else _early_solve(shape, facts), "end": solving_all}
             stage, solve = max(stages, key=lambda st: _sum(st[1]) + _sum(by_stage[st[0]]))
-            block_solve = by_stage[stage]
+            solving = by_stage[stage]
+            # freed small buffers the heap keeps (sq.pipeline.blocks: HeapTrim): a calibrated job trims every few
+            # blocks, so up to HEAP_KEEP of the churn of the blocks before waits there (none before the first), the
+            # larger phase's small buffers with the chain's and what is held; others trim after every block, where
+            # glibc keeps up to its trim threshold
+            small_f = _small(acts) + _small(fwd) + _small(block_fwd)
+            small_s = _small(solve) + _small(solving)
+            kept = 0 if not b else min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD,
+                                       max(small_f, small_s) + _small(chain) + _small(held))
+            heap = {"forward": kept, "solve": kept}
+            common = _sum(block) + _sum(chain) + _sum(held)
+            whole = {"forward": common + _sum(block_fwd) + _sum(acts) + _sum(fwd) + heap["forward"],
+                     "solve": common + _sum(solving) + _sum(solve) + heap["solve"]}
             # a calibration forward's transients and a solve's never coexist: the block's peak is the larger phase
-            phase = ("solve" if _sum(solve) + _sum(block_solve) > _sum(acts) + _sum(fwd) + _sum(block_fwd)
-                     else "forward")
-            p = {"block": _sum(block) + _sum(block_solve if phase == "solve" else block_fwd), "chain": _sum(chain),
+            phase = "solve" if whole["solve"] > whole["forward"] else "forward"
+            p = {"block": _sum(block) + _sum(solving if phase == "solve" else block_fwd), "chain": _sum(chain),
                  "activations": _sum(acts) if phase == "forward" else 0,
-                 "algorithm": _sum(held) + (_sum(solve) if phase == "solve" else _sum(fwd))}
-            # freed small buffers the heap keeps from the blocks before: trimmed every few blocks in a calibrated
-            # job, so up to HEAP_KEEP of the calibration's churn waits there (measured on the demo: 0.2-0.25 GiB
-            # from block 2 on), after every block otherwise, where glibc keeps up to its trim threshold of the
-            # block's small buffers (its shards and files come back the same size in the next block, which reuses
-            # them); the first block has none before it
-            small = max(_small(acts) + _small(fwd), _small(solve)) + _small(chain) + _small(held)
-            p["heap"] = 0 if not b else min(HEAP_KEEP if calibrated else HEAP_TRIM_THRESHOLD, small)
+                 "algorithm": _sum(held) + (_sum(solve) if phase == "solve" else _sum(fwd)), "heap": heap[phase]}
             total = sum(p.values())
-            if total > worst[r]:
-                # each phase's whole (the peak is the larger), for comparing with a trace of the run
-                common = _sum(block) + p["chain"] + p["heap"] + _sum(held)
-                both = {"forward_bytes": common + _sum(block_fwd) + _sum(acts) + _sum(fwd),
-                        "solve_bytes": common + _sum(block_solve) + _sum(solve)}
-                worst[r], parts[r] = total, {**p, "phase": phase, "peak_block": prefix, **both}
+            if total > worst[r]:  # (each phase's whole beside it: the peak is the larger)
+                worst[r], parts[r] = total, {**p, "phase": phase, "peak_block": prefix,
+                                             "forward_bytes": whole["forward"], "solve_bytes": whole["solve"]}
     # the end: each root tensor all-gathered whole on every rank (the gather's output and its chunks), rank 0
     # keeping them all for the root shard file and serializing that file in memory; then the carried tensors read
     # (dequantized) and written one at a time beside the root it still holds

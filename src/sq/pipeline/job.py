@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from sq.agree import agree, argument_facts
-from sq.anatomy import decoder_blocks, experts_modules
 from sq.calib.data import (
     calibration_windows,
     load_tokenizer,
@@ -32,6 +31,7 @@ from sq.load.meta import build_skeleton
 from sq.parallel.fsdp import apply_parallel
 from sq.pipeline.blocks import run_pipeline
 from sq.pipeline.weights import CheckpointWeights
+from sq.pipeline.targets import auto_ep
 from sq.quant.algorithms import make_algorithm
 from sq.resolve import resolve_model_dist
 from sq.run import raise_all
@@ -39,27 +39,6 @@ from sq.run import raise_all
 __all__ = ["quantize_model", "auto_ep"]
 
 logger = logging.getLogger(__name__)
-
-def auto_ep(model, world: int, algo) -> int:
-    """``--ep auto``: the world size for an MoE whose experts split evenly over it, so each rank holds
-    and computes only its experts and the tokens move to them (at ``--ep 1`` every rank gathers a
-    whole MoE block: 666 MiB of the 30.5 GB checkpoint run's peak per rank); else the largest
-    divisor of the world that splits every experts module evenly; 1 for a dense model and for an
-    algorithm that tunes experts under FSDP2 only.  Every choice writes the same bits (tests:
-    --ep 1 vs 2); the resolved value is what the resume signature records."""
-    counts = sorted({ex._parameters["down_proj"].shape[0] for _, b in decoder_blocks(model)
-                     for _, ex in experts_modules(b)})
-    if not counts or world == 1:
-        return 1
-    if not algo.expert_parallel:
-        logger.info("--ep auto: 1 (--algo %s holds experts under FSDP2)", algo.config.name)
-        return 1
-    ep = max(d for d in range(1, world + 1) if world % d == 0 and all(c % d == 0 for c in counts))
-    if ep < world:
-        logger.info("--ep auto: %s experts do not split evenly over %d ranks; --ep %d",
-                    "/".join(map(str, counts)), world, ep)
-    return ep
-
 
 @torch.no_grad()
 def quantize_model(cfg: PTQConfig) -> dict:

@@ -49,8 +49,7 @@ def memory_preflight(p) -> tuple[list[str], dict]:
         p.run.files.overlap = False
         logger.info("--fit-memory: %s", fit["why"])
     if problems and not p.weights.in_memory:  # name the layout that fits: more nodes like this one
-        from sq.pipeline.job import auto_ep
-        from sq.pipeline.targets import plan_targets
+        from sq.pipeline.targets import auto_ep, plan_targets
 
         def at(w):
             e = auto_ep(p.model, w, p.algo)

@@ -66,7 +66,7 @@ from sq.formats.specs import activation_observers, required_reductions
 from sq.load.fill import local_box
 from sq.pipeline.targets import model_problems, plan_targets
 from sq.quant import rtn
-from sq.quant.algorithms.gptq import Counting
+from sq.quant.algorithms.gptq_hessians import Counting
 from sq.quant.gptq import GPTQConfig
 from sq.quant.forward import CALIB_BATCH, InputLeaders, block_forward, block_grads, capture_block0, head_grads
 from sq.quant.work import Linear

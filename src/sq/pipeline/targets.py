@@ -3,6 +3,7 @@ and every refusal about it (group sizes, the EP split, row-shardable formats, Na
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,9 @@ from sq.quant.experts import export_slots
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.quant.work import ExpertGroup, Linear
 
-__all__ = ["Targets", "plan_targets", "model_problems", "nonfinite", "nonfinite_refusal", "config_groups"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["Targets", "plan_targets", "model_problems", "nonfinite", "nonfinite_refusal", "config_groups", "auto_ep"]
 
 
 @dataclass
@@ -165,3 +168,24 @@ def config_groups(targets: Targets, weights) -> dict:
         return {s: ["Linear"] for s in members}
     biggest = max(members, key=lambda s: len(members[s]))
     return {s: (["Linear"] if s == biggest else names) for s, names in members.items()}
+
+
+def auto_ep(model, world: int, algo) -> int:
+    """``--ep auto``: the world size for an MoE whose experts split evenly over it, so each rank holds
+    and computes only its experts and the tokens move to them (at ``--ep 1`` every rank gathers a
+    whole MoE block: 666 MiB of the 30.5 GB checkpoint run's peak per rank); else the largest
+    divisor of the world that splits every experts module evenly; 1 for a dense model and for an
+    algorithm that tunes experts under FSDP2 only.  Every choice writes the same bits (tests:
+    --ep 1 vs 2); the resolved value is what the resume signature records."""
+    counts = sorted({ex._parameters["down_proj"].shape[0] for _, b in decoder_blocks(model)
+                     for _, ex in experts_modules(b)})
+    if not counts or world == 1:
+        return 1
+    if not algo.expert_parallel:
+        logger.info("--ep auto: 1 (--algo %s holds experts under FSDP2)", algo.config.name)
+        return 1
+    ep = max(d for d in range(1, world + 1) if world % d == 0 and all(c % d == 0 for c in counts))
+    if ep < world:
+        logger.info("--ep auto: %s experts do not split evenly over %d ranks; --ep %d",
+                    "/".join(map(str, counts)), world, ep)
+    return ep

@@ -244,7 +244,7 @@ FIXTURES: dict[str, Callable[..., Path]] = {
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # the Linears DeepSeek ships in FP8: attention and MLP / expert projections, the MTP eh_proj;
 # not the router (mlp.gate), embeddings, lm_head or the MTP shared_head.head
-_FP8_WEIGHT = re.compile(r"_proj(_with_mqa)?\.weight$")
+FP8_WEIGHT = re.compile(r"_proj(_with_mqa)?\.weight$")
 
 
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +297,7 @@ def to_fp8_block_scaled(path: Path, block: tuple[int, int]) -> None:
         out = {}
         for key in sorted(tensors):
             t = tensors[key]
-            if _FP8_WEIGHT.search(key) and t.dim() == 2:
+            if FP8_WEIGHT.search(key) and t.dim() == 2:
                 out[key], out[key + "_scale_inv"] = quantize_fp8_blocks(t, block)
             else:
                 out[key] = t

@@ -98,7 +98,7 @@ def build_real_width(out_dir: Path | str, name: str = "DeepSeek-V3", *, layers: 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sq.synthetic import build_tokenizer
-    from sq.testing.checkpoints import _FP8_WEIGHT, quantize_fp8_blocks
+    from sq.testing.checkpoints import FP8_WEIGHT, quantize_fp8_blocks
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +117,7 @@ def build_real_width(out_dir: Path | str, name: str = "DeepSeek-V3", *, layers: 
         else:  # norms (ones, perturbed), biases (small)
             base = 1.0 if key.endswith("norm.weight") or "norm" in key.rsplit(".", 2)[-2] else 0.0
             w = base + 0.01 * torch.randn(shape, generator=gen)
-        if block is not None and _FP8_WEIGHT.search(key) and w.dim() == 2:
+        if block is not None and FP8_WEIGHT.search(key) and w.dim() == 2:
             q, s = quantize_fp8_blocks(w, block)
             new = {key: q, key + "_scale_inv": s}
         else:

@@ -1,10 +1,9 @@
-"""GPTQ in the pipeline: Hessians from the block's calibration forward, all-reduced; the Linears
-sharing a Hessian solved as one stack, each stack whole by one rank, which writes it (experts: at
-their owner, over the rows it holds).  The maths: ``sq.quant.gptq``."""
+"""GPTQ in the pipeline: Hessians from the block's calibration forward, each reduced to the rank that solves it
+(``sq.quant.algorithms.gptq_hessians``); the Linears sharing a Hessian solved as one stack, each stack whole by
+that rank, which writes it (experts: at their owner, over the rows it holds).  The maths: ``sq.quant.gptq``."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 
@@ -19,12 +18,14 @@ from sq.quant import rtn
 from sq.quant.rtn import rtn_rows
 from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.experts import ExpertCalibration, local_experts
-from sq.quant.forward import InputLeaders, block_forward, paired_forward
+from sq.quant.forward import block_forward, paired_forward
 from sq.quant.served import ServedActivations
 from sq.formats import primitives
 from sq.formats.specs import spec_for
 from sq.quant.experts import whole_rows_stats
-from sq.quant.gptq import BATCH_ELEMS, GPTAQConfig, GPTQ, GPTQConfig, Problem, hessian_dtype, quantize_together
+from sq.quant.algorithms.gptq_hessians import (Counting, hessian_bytes, plan_owners, prepare_buffers, solve_cost,
+                                               sweep_buffers, sweep_shapes)
+from sq.quant.gptq import GPTAQConfig, GPTQ, GPTQConfig, Problem, quantize_together
 from sq.quant.recipe import scheme_tag
 
 # Stacked expert solves: at most this many weight elements per sweep (64 MiB of float32 rows;
@@ -33,128 +34,6 @@ EXPERT_STACK_ELEMS = 1 << 24
 EXPERT_SOLVE_OPS = 2000  # an expert's solve beyond its sweep: its rows copied, statistics, results (time prediction)
 # scheme strategies GPTQ solves: a row's scales depend on that row alone (NVFP4's global scale
 # is the all-reduced statistic the pipeline's reduce stage hands over)
-
-
-class Counting:
-    """Forward hooks on Linears that feed GPTQ Hessians, switched off for dummy batches.
-
-    Linears that read the very same input tensor (q/k/v, gate/up) share one accumulator
-    (``InputLeaders``).
-
-    ``paired`` (GPTAQ, ``sq.quant.forward.paired_forward``): while ``capturing``, a forward on the
-    full-precision chain only keeps each Linear's input; the next forward, on the quantized chain's
-    same tokens, accumulates ``H`` and the cross term from both.
-
-    ``skip_last`` (a forward run only for these Hessians: ``block_forward(..., outputs=False)``): after the
-    first batch, the last Linear the block calls (once) computes zeros instead of its product -- its
-    Hessian is its input, and nothing the Hessians read comes after it (a dense block's down_proj: a
-    quarter of its matmuls); ``last``: that Linear's name where an earlier block of the same kind showed
-    it (``learned`` is what this block's first batch showed), so it computes zeros from the first batch.
-    """
-
-    def __init__(self, linears, device, paired: bool = False, skip_last: bool = False, last: str | None = None):
-        self.on = True
-        self.device = device
-        self.paired = paired
-        self.capturing = False
-        self.fp_in: dict[str, torch.Tensor] = {}
-        self.leaders = InputLeaders()
-        self.gptq: dict[str, GPTQ] = {}
-        self.modules = {l.name: l.module for l in linears}
-        self.calls: list[str] | None = [] if skip_last and not paired else None  # the first batch's, in order
-        self.skipped: torch.nn.Module | None = None
-        self.learned: str | None = None
-        self.handles = [l.module.register_forward_hook(self._hook(l.name)) for l in linears]
-        if self.calls is not None and last is not None:
-            self.calls = None
-            self._skip(last)
-
-    def _hook(self, name):
-        def hook(module, args, output):
-            x = args[0]
-            if self.capturing:
-                if self.paired:
-                    self.fp_in[name] = x
-                return
-            if self.calls is not None and self.on:
-                self.calls.append(name)
-            lead = self.leaders.of(name, x)
-            if lead == name and name not in self.gptq:
-                self.gptq[name] = GPTQ(module.in_features, device=self.device)
-            if self.on and lead == name:
-                if self.paired and name not in self.fp_in:
-                    raise SqError(f"{name}: not called in the block's forward on the full-precision chain, "
-                                  "so GPTAQ has no inputs to pair with the quantized chain's")
-                self.gptq[name].add_batch(x, self.fp_in[name] if self.paired else None)
-        return hook
-
-    def all_reduce(self) -> None:
-        """Every rank's tokens in each accumulator on every rank (``H``, GPTAQ's cross term, the sample count), for
-        a caller that solves every Linear's rows where they are (the bit-budget search's scoring)."""
-        for g in self.gptq.values():
-            n = torch.tensor([g.nsamples], dtype=torch.int64, device=self.device)
-            dist.all_reduce(g.H)
-            if g.cross is not None:
-                dist.all_reduce(g.cross)
-            dist.all_reduce(n)
-            g.nsamples = int(n.item())
-
-    def reduce_to_owners(self, world: int, rank: int) -> None:
-        """Every rank's tokens in each accumulator (``H``, GPTAQ's cross term) on the one rank that solves it and
-        nowhere else: a reduce, not an all-reduce, so a rank holds only the Hessians it owns after the forward
-        (DeepSeek-V3's o_proj alone is 1 GiB) and sends each one once.  ``owner`` is ``_owners``' plan from the
-        shapes (the same on every rank; the accumulators in the same order everywhere); the sample counts are
-        summed on every rank in one small all-reduce.  One rank: its own sums, nothing to combine."""
-        gs = list(self.gptq.items())
-        rows = dict.fromkeys(self.gptq, 0)
-        for name, lead in self.leaders.lead.items():
-            if lead in rows:
-                rows[lead] += self.modules[name].out_features
-        owners = _owners([_solve_cost(g.in_features, rows[lead]) for lead, g in gs], world)
-        for (_, g), o in zip(gs, owners):
-            g.owner = o
-        if world == 1 or not gs:
-            return
-        n = torch.tensor([g.nsamples for _, g in gs], dtype=torch.int64, device=self.device)
-        dist.all_reduce(n)
-        for (_, g), o, k in zip(gs, owners, n.tolist()):
-            dist.reduce(g.H, dst=o)
-            if g.cross is not None:
-                dist.reduce(g.cross, dst=o)
-            g.nsamples = k
-            if rank != o:
-                g.free()
-
-    def release(self) -> None:
-        """Drop the full-precision pass's inputs (a batch's are held until its quantized pass is done)."""
-        self.fp_in.clear()
-
-    def first_pass_done(self) -> None:
-        """The first batch is through: the last Linear it called (once) computes zeros from now on."""
-        calls, self.calls = self.calls, None
-        if calls and calls.count(calls[-1]) == 1:
-            self.learned = calls[-1]
-            self._skip(calls[-1])
-
-    def _skip(self, name: str) -> None:
-        m = self.skipped = self.modules[name]
-        m.forward = functools.partial(_zeros, m.out_features)  # (an instance attribute: remove() drops it)
-
-    def get(self, name: str) -> GPTQ | None:
-        return self.gptq.get(self.leaders.lead.get(name, ""))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        if self.skipped is not None:
-            del self.skipped.forward
-            self.skipped = None
-        self.leaders.release()
-
-
-def _zeros(out_features: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A Linear's output shape, computed by nothing (``Counting.first_pass_done``)."""
-    return x.new_zeros(*x.shape[:-1], out_features)
 
 
 @register
@@ -221,17 +100,17 @@ class GPTQAlgorithm(Algorithm):
 
     def _owned(self, facts) -> list[int]:
         """Which of the block's accumulators (``facts.block.accumulators``) rank ``facts.rank`` solves: all on one
-        rank, else ``_owners``' plan from the shapes (``Counting.reduce_to_owners`` makes the same)."""
+        rank, else ``plan_owners``' plan from the shapes (``Counting.reduce_to_owners`` makes the same)."""
         acc = facts.block.accumulators
         if facts.world == 1:
             return list(range(len(acc)))
-        owners = _owners([_solve_cost(n, rows) for n, rows in acc], facts.world)
+        owners = plan_owners([solve_cost(n, rows) for n, rows in acc], facts.world)
         return [k for k, o in enumerate(owners) if o == facts.rank]
 
     def forward_memory(self, facts) -> list[tuple[int, int]]:
         """Every dense Hessian (and GPTAQ's cross term) as the forwards accumulate it on every rank; after the
         forward each is reduced to its owner and freed elsewhere (``memory``'s solve counts the owned ones)."""
-        return [(_hbytes(n) * n * n, 2 if self.pairs_chains else 1) for n, _ in facts.block.accumulators]
+        return [(hessian_bytes(n) * n * n, 2 if self.pairs_chains else 1) for n, _ in facts.block.accumulators]
 
     def solve_stages(self, facts) -> list[tuple[str, list[tuple[int, int]]]]:
         return self._phases(facts)[1]
@@ -248,8 +127,9 @@ class GPTQAlgorithm(Algorithm):
         rows of that width's stacks gathered, and what it returns for them; the prepared factors of the stacks
         before the last, which is being factorized (its permuted copy, the factor written beside it and the
         half-size product and Schur complement of ``_lower_inverse_into``); the sweep's rows (float32, permuted,
-        the copy, the codes, the dequantized rows).  Owned Hessians of widths solved earlier are freed by then.
-        The experts' stacked solves likewise, after the dense ones."""
+        the copy, the codes, the dequantized rows).  Owned Hessians of widths solved earlier are freed by then
+        (on one rank they and their factors stay to the block's end).  The experts' stacked solves likewise,
+        after the dense ones."""
         b, cb, wb, pair = facts.block, facts.compute_bytes, facts.weight_bytes, 2 if self.pairs_chains else 1
         owned = [b.accumulators[k] for k in self._owned(facts)]
         hess: list[tuple[int, int]] = []
@@ -261,29 +141,33 @@ class GPTQAlgorithm(Algorithm):
             held += [(facts.step_tokens * n * cb, 1) for n, _ in b.accumulators]
         phases: list[tuple[str, list[tuple[int, int]]]] = []
         widths = list(dict.fromkeys(n for n, _ in owned))
+        one = facts.world == 1  # one rank solves every stack in one call: nothing freed before the block's end
+        done: list[tuple[int, int]] = []  # (one rank) the sums and prepared factors of the widths before
         for w_i, width in enumerate(widths):
             group = [(n, rows) for n, rows in owned if n == width]
-            hb = _hbytes(width)
+            hb = hessian_bytes(width)
             # the sums not solved yet; this width's kept in the report's dtype once permuted (GPTQ._prepare)
             kept = hb if hb == 8 or self.pairs_chains else min(4, cb)
-            base = [(_hbytes(n) * n * n, pair) for n, _ in owned if n in widths[w_i + 1:]] + [(kept * width * width,
-                                                                                             len(group) * pair)]
-            if facts.world > 1:  # the stacks' whole rows gathered, and what the solve returns for them
+            base = done + [(hessian_bytes(n) * n * n, pair) for n, _ in owned if n in widths[w_i + 1:]] + [
+                (kept * width * width, len(group) * pair)]
+            if not one:  # the stacks' whole rows gathered, and what the solve returns for them
                 base += [(n * rows * wb, 1) for n, rows in group] + [(n * rows * (wb + 1), 1) for n, rows in group]
-            phases.append(("dense", base + _prepare_buffers(width, len(group), hb)))
-            phases.append(("dense", base + [(4 * width * width, len(group))] + _sweep_buffers(_sweeps(group))))
+            phases.append(("dense", base + prepare_buffers(width, len(group), hb)))
+            phases.append(("dense", base + [(4 * width * width, len(group))] + sweep_buffers(sweep_shapes(group))))
+            if one:
+                done += [(kept * width * width, len(group) * pair), (4 * width * width, len(group))]
         for n, h, i in b.experts_modules:
             own = facts.owned_experts(n)
             down = min(max(EXPERT_STACK_ELEMS, i * h), own * i * h)
             for w, k, e in [(h, 1, min(max(EXPERT_STACK_ELEMS, 2 * i * h), own * 2 * i * h)), (i, down // (i * h), down)]:
-                phases.append(("end", _prepare_buffers(w, k, 4)))
-                phases.append(("end", [(4 * w * w, k)] + _sweep_buffers([(w, k, e)])))
+                phases.append(("end", done + prepare_buffers(w, k, 4)))
+                phases.append(("end", done + [(4 * w * w, k)] + sweep_buffers([(w, k, e)])))
         return held, phases
 
     def cost(self, facts) -> dict[str, Cost]:
         """Calibrate: the forward with every expert on every token, each sample's ``x^T x`` accumulated
         (``hessian``: tokens x width^2) and reduced to its owner; experts' Hessians in float32 over the tokens of the
-        --ep group.  Solve: the stacks this rank owns (``_owners``; their rows gathered to it and scattered
+        --ep group.  Solve: the stacks this rank owns (``plan_owners``; their rows gathered to it and scattered
         back), each a factorization (``width^3``) and a sweep of ``width`` columns over its rows; experts:
         gate_up stacked under one shared Hessian, down one sweep per expert, over this rank's rows of its
         experts."""
@@ -295,20 +179,20 @@ class GPTQAlgorithm(Algorithm):
             n_in, n_out = b.linears[-1]  # the block's last Linear computes nothing here (Counting's skip_last)
             cal = cal + Cost(gemm=-2 * t * n_in * n_out)
         for n, _ in b.accumulators:  # each float32 sum reduced to its owner (one all-reduce of the counts)
-            cal = cal + (Cost(hessian=t * n * n, link=_hbytes(n) * n * n, collectives=1) if world > 1
+            cal = cal + (Cost(hessian=t * n * n, link=hessian_bytes(n) * n * n, collectives=1) if world > 1
                          else Cost(hessian=t * n * n))
         if world > 1 and b.accumulators:
             cal = cal + Cost(collectives=1)
         solve = rtn_cost(facts, passes=2)  # the rows handed to the solve, the results written back
         stacks = list(b.accumulators)
         if world > 1:
-            owners = _owners([_solve_cost(n, rows) for n, rows in stacks], world)
+            owners = plan_owners([solve_cost(n, rows) for n, rows in stacks], world)
             solve = solve + Cost(link=sum(2 * n * rows * facts.weight_bytes for n, rows in stacks) / world,
                                  collectives=len(b.linears) + len(stacks) + 1)  # gathers, scatters, the verdict
             stacks = [st for st, o in zip(stacks, owners) if o == facts.rank]
         for n, rows in stacks:  # (and the reported error through H: 2 rows n^2)
             solve = solve + Cost(factor=n**3, solves=1, cells=n * rows, gemm32=2 * rows * n * n)
-        for n, k, _ in _sweeps(stacks):  # a sweep's column steps, and each further stack's error push in them
+        for n, k, _ in sweep_shapes(stacks):  # a sweep's column steps, and each further stack's error push in them
             solve = solve + Cost(columns=n, ops=n * (k - 1))  # (stacks of a block differ in height: not batched)
         for n_e, h, i in b.experts_modules:
             # --ep E: E/ep experts a rank, their rows split over dp = world/ep; --ep 1: FSDP2 splits the experts
@@ -408,7 +292,7 @@ class GPTQAlgorithm(Algorithm):
         A solve's cost hardly depends on its rows: the damped inverse factor is ``in^3`` and the
         column loop is ``in`` Python-bound steps, both the same for 1 row or 3072.  Split by rows,
         every rank paid all of them (on SmolLM2, 3264 column steps and four factorizations per
-        block and rank); split by stacks, each rank pays for its own (``_owners``: largest first
+        block and rank); split by stacks, each rank pays for its own (``owners``: largest first
         onto the least loaded rank, from shapes alone, so every rank computes the same plan).
         Every stack's rows are gathered onto its solver; one small all-reduce tells every rank
         whether a solver failed (then every rank raises its message); each solver scatters the
@@ -420,7 +304,7 @@ class GPTQAlgorithm(Algorithm):
         # where its Hessian was reduced to (Counting.reduce_to_owners); Hessians summed elsewhere: the same plan
         owners = [g.owner for g, _ in stacks]
         if None in owners:
-            owners = _owners([_solve_cost(g.in_features, sum(items[i][0].module.out_features for i in idx))
+            owners = plan_owners([solve_cost(g.in_features, sum(items[i][0].module.out_features for i in idx))
                               for g, idx in stacks], world)
         full = {}
         for (g, idx), o in zip(stacks, owners):
@@ -577,29 +461,6 @@ class GPTAQAlgorithm(GPTQAlgorithm):
     pairs_chains = True
 
 
-def _hbytes(width: int) -> int:
-    """Bytes per element of a dense Hessian ``width`` wide (``sq.quant.gptq.hessian_dtype``)."""
-    return torch.empty((), dtype=hessian_dtype(width)).element_size()
-
-
-def _prepare_buffers(width: int, k: int, hb: int) -> list[tuple[int, int]]:
-    """The solve's Hessian-side buffers while the last of ``k`` Hessians ``width`` wide (``hb`` bytes an element)
-    is prepared (``GPTQ._prepare``), beside the sums: the factors of the ``k - 1`` before it (float32), its
-    permuted copy, the inverse factor written beside it and ``_lower_inverse_into``'s half-size product and
-    Schur complement; a float64 Hessian's float32 copy and its flipped factor besides."""
-    one = width * width
-    bufs = [(4 * one, k - 1), (hb * one, 1), (4 * one, 1), (one, 2)]
-    return bufs + ([(4 * one, 2)] if hb == 8 else [])
-
-
-def _sweep_buffers(sweeps) -> list[tuple[int, int]]:
-    """A column sweep's rows (``_sweeps``' ``(width, solves, elements)``, the largest): the float32 copy and its
-    transposed, permuted copy (the sweep's buffer), the codes and their transposed copy, the dequantized rows in
-    float32 and in the weight's dtype."""
-    e = max((e for _, _, e in sweeps), default=0)
-    return [(4 * e, 2), (2 * e, 2), (e, 1)] if e else []
-
-
 def _same_stats(scheme, a, b) -> bool:
     """Whether two Linears quantize under the same cross-row statistics of ``scheme`` (none for
     most; NVFP4's global absmax, which q/k/v and gate/up share), so their rows can be stacked."""
@@ -616,37 +477,7 @@ def _solved(r, dtype: torch.dtype, H: torch.Tensor | None = None) -> Solved:
     return Solved(r.q, r.scale, r.zero_point, r.weight.to(dtype), H=H, global_scale=r.global_scale)
 
 
-def _sweeps(stacks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """The column sweeps ``quantize_together`` makes of stacks ``(width, rows)`` (of one scheme): those of one
-    width side by side, up to ``BATCH_ELEMS`` elements a sweep; ``(width, stacks, elements)`` each."""
-    out: dict[int, list[list[int]]] = {}
-    for n, rows in stacks:
-        chunks = out.setdefault(n, [[0, 0]])
-        if chunks[-1][0] and chunks[-1][1] + n * rows > BATCH_ELEMS:
-            chunks.append([0, 0])
-        chunks[-1][0] += 1
-        chunks[-1][1] += n * rows
-    return [(n, k, e) for n, chunks in out.items() for k, e in chunks]
-
-
 def _failure_text(e: BaseException) -> str:
     return "\n".join(e.problems) if isinstance(e, SqError) else f"{type(e).__name__}: {e}"
 
 
-def _solve_cost(cols: int, rows: int) -> float:
-    """A GPTQ solve's seconds on one CPU thread, roughly: the damped inverse factor (~cols^3), the
-    column loop's Python-bound steps (~cols) and its updates (~rows * cols^2), fitted on SmolLM2's
-    shapes (576 x 1536: 0.06 + 0.05 s; 3072 x 576: 0.003 + 0.02 + 0.02 s).  Only its ratios matter
-    (``_owners``)."""
-    return 1.6e-11 * cols**3 + 3.3e-5 * cols + 2e-11 * rows * cols**2
-
-
-def _owners(costs: list[float], world: int) -> list[int]:
-    """A rank for each job: largest first onto the least loaded rank (the lowest on ties)."""
-    load = [0.0] * world
-    owners = [0] * len(costs)
-    for k in sorted(range(len(costs)), key=lambda k: -costs[k]):
-        r = min(range(world), key=lambda r: load[r])
-        owners[k] = r
-        load[r] += costs[k]
-    return owners
