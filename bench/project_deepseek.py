@@ -100,7 +100,6 @@ def project(world: int, nodes: int) -> dict:
         2 * (2 * H ** 3) + 2 * I_MOE * H * H + 2 * I_MOE ** 3 + H * I_MOE ** 2)
     r["flops"] = f
     bf16 = world * BF16_PEAK * EFF
-    fp64 = world * FP64_PEAK * EFF
     fp32 = world * FP32_PEAK * EFF
     t = {}
     t["forwards (bf16)"] = (f["forward, attention linears (2 passes)"] + f["forward, attention scores (causal, 2 passes)"]
