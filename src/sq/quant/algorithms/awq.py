@@ -479,7 +479,10 @@ class AWQAlgorithm(Algorithm):
         return cache + held, solve
 
     def forward_memory(self, facts) -> list[tuple[int, int]]:
-        return self.gptq.forward_memory(facts) if self.gptq is not None else []
+        """The search's error terms, one calibration step's parent output at a time: the replayed output, it and
+        the full-precision one in float64, their difference (``_search``); GPTQ's own under --awq-gptq."""
+        err = [(facts.step_tokens * facts.hidden * facts.compute_bytes, 1), (8 * facts.step_tokens * facts.hidden, 3)]
+        return err + (self.gptq.forward_memory(facts) if self.gptq is not None else [])
 
     def cost(self, facts) -> dict[str, Cost]:
         """Calibrate: the capture forward, then per grid point every mapping's balanced weights quantized whole
