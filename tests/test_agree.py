@@ -66,8 +66,10 @@ def test_identical_node_local_copies_at_other_paths_agree(llama_ckpt, tmp_path):
     assert (out / "config.json").is_file()
 
 
-def test_a_shard_whose_bytes_differ_between_nodes_is_refused_with_verify_source_content(llama_ckpt, tmp_path):
-    """Same header, one weight changed on rank 1's node: --verify-source content hashes each node's copy."""
+@pytest.mark.parametrize("verify", ["stat", "content"])
+def test_a_shard_whose_bytes_differ_between_nodes_is_refused(llama_ckpt, tmp_path, verify):
+    """Same header, one weight changed on rank 1's node: by default (``stat``) the sampled digest of every
+    tensor's blocks sees it; --verify-source content hashes each node's copy whole."""
     copy_ckpt(llama_ckpt, tmp_path / "copy0")
     copy_ckpt(llama_ckpt, tmp_path / "copy1")
 
@@ -75,9 +77,10 @@ def test_a_shard_whose_bytes_differ_between_nodes_is_refused_with_verify_source_
         return {k: v + 1 if k.endswith("q_proj.weight") else v for k, v in tensors.items()}
     edit_tensors(tmp_path / "copy1", bump)
     out = tmp_path / "out"
-    res = _per_rank(["--model", str(tmp_path / "copy{rank}"), "--output", str(out), "--verify-source", "content",
+    res = _per_rank(["--model", str(tmp_path / "copy{rank}"), "--output", str(out), "--verify-source", verify,
                      *JOB], nodes=True)
-    _refused(res, "bytes differ between ranks", "rank(s) [1]")
+    text = _refused(res, "differ between ranks", "rank(s) [1]")
+    assert ("sampled bytes" in text) == (verify == "stat"), text
     _nothing_written(out)
 
 
@@ -145,11 +148,23 @@ def test_api_calls_with_other_arguments_per_rank_are_refused(tmp_path, field, va
         assert not out.exists() or not any(out.iterdir())
 
 
+def _between_samples(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one element changed that none of the sampled digest's blocks covers (a quarter in)."""
+    from sq.agree import SAMPLE_BYTES, SAMPLES
+
+    assert t.numel() * t.element_size() > 8 * SAMPLES * SAMPLE_BYTES, t.shape  # room between the samples
+    t = t.clone()
+    t.view(-1)[t.numel() // 4] += 1
+    return t
+
+
 @pytest.mark.parametrize("model_free", [False, True], ids=["model", "model-free"])
+@pytest.mark.parametrize("edit", ["whole", "between-samples"])
 @pytest.mark.parametrize("verify", ["stat", "content"])
-def test_a_shard_edited_in_place_with_its_mtime_restored(llama_ckpt, tmp_path, verify, model_free):
-    """`cp -p` / `rsync -a` over a shard: stat cannot tell (documented: "already complete" on the old bytes);
-    content re-hashes the shards and names the changed one -- on the model path and model-free alike."""
+def test_a_shard_edited_in_place_with_its_mtime_restored(llama_ckpt, tmp_path, verify, edit, model_free):
+    """`cp -p` / `rsync -a` over a shard: a tensor rewritten at its shape is seen by the default's sampled
+    digest; one element changed between its samples is not (documented: "already complete" on the old bytes)
+    -- content re-hashes the shards and names the changed one, on the model path and model-free alike."""
     src = copy_ckpt(llama_ckpt, tmp_path / "src")
     out = tmp_path / "out"
     args = ["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "W4A16", "--algo", "rtn",
@@ -157,17 +172,19 @@ def test_a_shard_edited_in_place_with_its_mtime_restored(llama_ckpt, tmp_path, v
     assert run_cli(args, 1, timeout=120).returncode == 0
     index = (src / "model.safetensors.index.json").read_bytes()
     stats = {f: f.stat() for f in src.glob("*.safetensors")}
-    edit_tensors(src, lambda t: {k: v + 1 if k.endswith("q_proj.weight") else v for k, v in t.items()})
+    change = (lambda v: v + 1) if edit == "whole" else _between_samples
+    edit_tensors(src, lambda t: {k: change(v) if k.endswith("layers.0.mlp.up_proj.weight") else v
+                                 for k, v in t.items()})
     (src / "model.safetensors.index.json").write_bytes(index)
     for f, st in stats.items():
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert f.stat().st_size == st.st_size
     res = run_cli(args, 1, timeout=120)
-    if verify == "stat":
+    if verify == "stat" and edit == "between-samples":
         assert res.returncode == 0 and "already complete" in res.output, res.output[-3000:]
     else:
         assert res.returncode != 0 and "different settings (source.files." in res.stderr, res.output[-3000:]
-        assert "sha256" in res.stderr
+        assert ("sha256" if verify == "content" else "sample_sha256") in res.stderr
 
 
 def test_a_stopped_rank_is_an_sq_error_naming_it_and_the_rerun_resumes(llama_ckpt, tmp_path):

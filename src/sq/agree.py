@@ -16,8 +16,10 @@ both values where they are short.  Two steps use it:
 - ``job`` before the output folder is claimed: the resume signature (the source's ``config.json``,
   index, shard sizes and every tensor header; the algorithm's settings; the module -> scheme
   assignment; the calibration text; the software versions) and the calibration token ids.  A
-  shard's modification time is not compared (node-local copies are made at different times);
-  ``--verify-source content`` adds every shard's SHA-256 (docs/resume.md).
+  shard's modification time is not compared (node-local copies are made at different times), a
+  sampled digest of its content is (:func:`content_hashes`: a few small blocks of every tensor, at
+  offsets every rank takes from the same header); ``--verify-source content`` hashes every shard
+  whole (docs/resume.md).
 """
 
 from __future__ import annotations
@@ -124,8 +126,46 @@ def _node_share() -> tuple[int, int]:
         return 0, 1
 
 
-def content_hashes(source, chunk: int = 1 << 24) -> dict[str, str]:
-    """``--verify-source content``: every shard's SHA-256, the same dict on every rank (a collective).
+# the sampled digest (the default, ``--verify-source stat``): per tensor, SAMPLES blocks of SAMPLE_BYTES (its
+# start, middle and end; a smaller tensor whole), so a tensor rewritten at the same shape is seen for ~1 KiB of
+# reads per tensor (~90 MiB for DeepSeek-V3's 91k tensors, split over each node's ranks)
+SAMPLES, SAMPLE_BYTES = 3, 256
+
+
+def _sample_ranges(source, file: str, data_start: int) -> list[tuple[int, int]]:
+    """The (offset, length) ranges the sampled digest reads of ``file``: the same on every rank (from the
+    header), in file order."""
+    out = []
+    for t in sorted((t for t in source.tensors.values() if t.file == file), key=lambda t: t.offsets):
+        begin, end = data_start + t.offsets[0], data_start + t.offsets[1]
+        if end - begin <= SAMPLES * SAMPLE_BYTES:
+            out.append((begin, end - begin))
+            continue
+        for at in (begin, (begin + end - SAMPLE_BYTES) // 2, end - SAMPLE_BYTES):
+            out.append((at, SAMPLE_BYTES))
+    return out
+
+
+def _hash_file(source, f: str, fh, sampled: bool, chunk: int) -> str:
+    h = hashlib.sha256()
+    if not sampled:
+        while block := fh.read(chunk):
+            h.update(block)
+        return h.hexdigest()
+    head = fh.read(8)
+    if len(head) < 8:
+        return h.hexdigest()
+    data_start = 8 + int.from_bytes(head, "little")
+    fd = fh.fileno()
+    for at, n in _sample_ranges(source, f, data_start):
+        h.update(os.pread(fd, n, at))
+    return h.hexdigest()
+
+
+def content_hashes(source, chunk: int = 1 << 24, *, sampled: bool = False) -> dict[str, str]:
+    """Every shard's SHA-256 (``--verify-source content``), or with ``sampled`` the SHA-256 of a few blocks of
+    each of its tensors (the default: ``SAMPLES`` x ``SAMPLE_BYTES`` per tensor, at offsets from the header):
+    the same dict on every rank (a collective).
 
     Each node reads its copy once (its ranks split the shards), so node-local copies are each hashed
     and compared: a shard whose bytes differ between nodes is refused, naming it and the ranks."""
@@ -135,18 +175,16 @@ def content_hashes(source, chunk: int = 1 << 24) -> dict[str, str]:
     mine, failed = {}, []
     for i, f in enumerate(sorted(source.files)):
         if i % local_world == local:
-            h = hashlib.sha256()
             try:
                 with open_checked(source.root, f) as fh:
-                    while block := fh.read(chunk):
-                        h.update(block)
+                    digest = _hash_file(source, f, fh, sampled, chunk)
             except SqError as e:
                 failed += e.problems
                 continue
             except OSError as e:
                 failed.append(f"{source.root / f}: cannot read it to hash it ({e.strerror or e})")
                 continue
-            mine[f] = h.hexdigest()
+            mine[f] = digest
     views = [(mine, failed)]
     if dist.is_initialized() and dist.get_world_size() > 1:  # a read error is gathered, then raised everywhere
         views = [None] * dist.get_world_size()
@@ -159,10 +197,21 @@ def content_hashes(source, chunk: int = 1 << 24) -> dict[str, str]:
         for f, h in view.items():
             seen.setdefault(f, {}).setdefault(h, []).append(r)
             hashes.setdefault(f, h)
-    problems += [f"{source.root / f}: its bytes differ between ranks ("
+    what = "sampled bytes (a few blocks of every tensor)" if sampled else "bytes"
+    problems += [f"{source.root / f}: its {what} differ between ranks ("
                 + "; ".join(f"rank(s) {ranks}: sha256 {h[:12]}" for h, ranks in by_hash.items())
                 + "): every node must hold the same checkpoint copy"
                 for f, by_hash in sorted(seen.items()) if len(by_hash) > 1]
     if problems:
         raise SqError(problems)
     return hashes
+
+
+def verified_identity(source, verify_source: str) -> dict:
+    """The source's identity for the resume signature and the ranks' agreement (a collective): sizes, headers
+    and a sampled content digest per shard (``stat``, the default), or every shard's SHA-256 (``content``)."""
+    from sq.resume import source_identity
+
+    if verify_source == "content":
+        return source_identity(source, content_hashes(source))
+    return source_identity(source, samples=content_hashes(source, sampled=True))

@@ -86,9 +86,10 @@ def file_ok(path: Path, record: dict) -> bool:
 # ---------------------------------------------------------------- signature
 
 
-def source_identity(source, hashes: dict[str, str] | None = None) -> dict:
+def source_identity(source, hashes: dict[str, str] | None = None, samples: dict[str, str] | None = None) -> dict:
     """Config and index content, every tensor's header entry, and every shard's name, size and
-    mtime, or with ``hashes`` (``--verify-source content``: ``sq.agree.content_hashes``) its SHA-256."""
+    mtime with ``samples``' digest of a few blocks of each tensor (``--verify-source stat``), or with ``hashes``
+    (``--verify-source content``: ``sq.agree.content_hashes``) its SHA-256."""
     root = Path(source.root)
     ident = {"config_sha256": sha256_file(root / "config.json")}
     index = root / INDEX_NAME
@@ -102,7 +103,8 @@ def source_identity(source, hashes: dict[str, str] | None = None) -> dict:
     ident["files"] = {}
     for f in source.files:
         st = (root / f).stat()
-        ident["files"][f] = {"size": st.st_size, **({"sha256": hashes[f]} if hashes else {"mtime_ns": st.st_mtime_ns})}
+        ident["files"][f] = {"size": st.st_size, **({"sha256": hashes[f]} if hashes else {"mtime_ns": st.st_mtime_ns}),
+                             **({"sample_sha256": samples[f]} if samples and f in samples else {})}
     return ident
 
 

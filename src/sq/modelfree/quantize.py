@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load as st_load
 
-from sq.agree import agree, argument_facts, content_hashes
+from sq.agree import agree, argument_facts, verified_identity
 from sq.dist import uses_nccl
 from sq.errors import SqError
 from sq.export import writer
@@ -43,7 +43,6 @@ from sq.modelfree.reader import ReadAhead, Reader
 from sq.quant import rtn
 from sq.quant.rtn import rtn_codes
 from sq.report import block_progress
-from sq.resume import source_identity
 from sq.run import Run, raise_all, signature
 
 logger = logging.getLogger(__name__)
@@ -300,9 +299,8 @@ def _prepare(cfg):
 def _signature(cfg, plan: Plan, source, assigner, world: int, split: list[str]) -> dict:
     """What a resumed run must share; ``row_split`` (the row-split Linear groups, which decide who
     writes what) only when there are any, so a run without splits has the signature it has without them."""
-    hashes = content_hashes(source) if cfg.verify_source == "content" else None
     return {"mode": "model-free", **signature(
-        source=source_identity(source, hashes), args=cfg.signature_args(calibrated=False),
+        source=verified_identity(source, cfg.verify_source), args=cfg.signature_args(calibrated=False),
         algorithm=cfg.algo.signature(), schemes=assigner.to_dict(), assignment=plan.assignment, world=world,
         blocks=plan.blocks, **({"row_split": split} if split else {}))}
 

@@ -24,13 +24,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from sq.agree import content_hashes
+from sq.agree import verified_identity
 from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
 from sq.errors import SqError
 from sq.export import writer
 from sq.files import CARRIED_NAME
 from sq.load.loader import LoadPlan, fill, free
-from sq.resume import source_identity
 
 
 class CheckpointWeights:
@@ -108,8 +107,7 @@ class CheckpointWeights:
 
     def identity(self) -> dict:
         """The source's identity for the resume signature (a collective with ``--verify-source content``)."""
-        hashes = content_hashes(self.plan.source) if self.verify_source == "content" else None
-        return source_identity(self.plan.source, hashes)
+        return verified_identity(self.plan.source, self.verify_source)
 
     def write_extras(self, out: Path) -> dict[str, str]:
         """Checkpoint tensors the model has no slot for (rank 0): byte for byte, except FP8 block-scaled
