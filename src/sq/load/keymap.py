@@ -65,6 +65,9 @@ class KeyMap:
     # its piece is in the target's coordinates, the reader transposes (sq.load.fill.Transposed)
     transposed: dict[str, tuple[int, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the shapes could not prove (logged by the planner)
+    # target -> (its checkpoint keys, the refusal) where transformers' conversion needs operations sq cannot read
+    # as slices (split, permute): a problem unless the loader carries the target's whole tower as stored
+    unsliceable: dict[str, tuple[list[str], str]] = field(default_factory=dict)
 
     def ckpt_keys(self) -> set[str]:
         return {p.ckpt_key for ps in self.pieces.values() for p in ps}
@@ -270,9 +273,10 @@ def _converter_pieces(km: KeyMap, t: str, hits: list[tuple[str, int, int]], conv
     merge = ops[0] if kinds[:1] == [MergeModulelist] else None
     concat = ops[-1] if kinds and kinds[-1] is Concatenate else None
     if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate], [Concatenate]):
-        km.problems.append(
+        keys, message = km.unsliceable.get(t, ([], None))
+        km.unsliceable[t] = (keys + [k for k, _, _ in hits], message or (
             f"{t}: checkpoint keys {hits[0][0]!r}... need conversion operations "
-            f"{[k.__name__ for k in kinds]}, which sq cannot read as slices; convert the checkpoint first")
+            f"{[k.__name__ for k in kinds]}, which sq cannot read as slices; convert the checkpoint first"))
         return
     stack_dim = merge.dim if merge is not None else None
     # extent of pattern j along the concat dim, in target coordinates

@@ -57,6 +57,7 @@ class LoadPlan:
     fp8: Fp8Layout | None = None  # FP8 block-scaled source: weights dequantized while read
     dtype: torch.dtype = torch.bfloat16  # the model's dtype (what FP8 / MXFP4 weights become)
     mxfp4: Mxfp4Layout | None = None  # MXFP4 source (gpt-oss): blocks + scales read as one dequantized tensor
+    towers: dict[str, int] = field(default_factory=dict)  # side towers carried as stored -> their key count
 
     @property
     def carried(self) -> list[str]:
@@ -254,6 +255,8 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
     if mx is not None:
         ckpt.update(mx.tensors(dtype))
     keymap = build_keymap(model, ckpt)
+    towers = carry_side_towers(model, keymap, targets)
+    problems += [message for _, message in keymap.unsliceable.values()]
     problems += keymap.problems if mx is None else mx.describe(keymap.problems)
     for key in sorted(keymap.transposed):  # one transform per tensor: a transposed one is read as stored bytes
         if (fp8 is not None and key in fp8.scales) or (mx is not None and key in mx.pairs):
@@ -300,7 +303,48 @@ def plan_load(model: nn.Module, source: CheckpointSource | str | Path, *, trust_
     root_names = [t for t in targets if t not in in_blocks]
     state = {t: "meta" for t in targets}
     return LoadPlan(source, keymap, targets, prefixes, block_names, root_names, buffers, state=state,
-                    fp8=fp8, dtype=dtype, mxfp4=mx)
+                    fp8=fp8, dtype=dtype, mxfp4=mx, towers=towers)
+
+
+def carry_side_towers(model: nn.Module, keymap: KeyMap, targets: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Carry as stored each side tower (a module beside the text model: a VLM's vision tower or projector)
+    that holds a tensor transformers' conversion builds with operations sq cannot read as slices (Kimi-K2.5's
+    ``wqkv`` split and permuted into q / k / v): every checkpoint key of the tower is copied to the output as it
+    is (transformers converts it when loading the output, as it does the source), and the tower's tensors leave
+    ``targets``, never filled nor written. The text model is never a side tower: a tensor of it that needs such
+    operations stays refused.  Edits ``keymap`` and ``targets``; returns tower prefix -> carried key count."""
+    if not keymap.unsliceable:
+        return {}
+    stack = decoder_blocks(model)[0][0].rpartition(".")[0]  # the decoder stack's ModuleList
+    text = stack.rpartition(".")[0]  # the text model holding it (embeddings, final norm)
+    spine = {".".join(text.split(".")[:i]) for i in range(len(text.split(".")) + 1)}  # the text model and its parents
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {n for n, m in model.named_modules() if out_emb is not None and m is out_emb}
+
+    def tower(t: str) -> str | None:
+        parts = t.split(".")
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            if prefix not in spine:  # the first component off the path to the text model
+                parent = ".".join(parts[:i - 1])
+                return None if parent == text or prefix in heads else prefix
+        return None
+
+    chosen = {tower(t) for t in keymap.unsliceable}
+    if None in chosen:
+        chosen = {c for c in chosen if c is not None}
+    counts: dict[str, int] = {}
+    for prefix in sorted(chosen):
+        inside = [t for t in targets if t.startswith(prefix + ".")]
+        keys = [p.ckpt_key for t in inside for p in keymap.pieces.pop(t, [])]
+        keys += [k for t in inside for k in keymap.unsliceable.pop(t, ([], ""))[0]]
+        for t in inside:
+            del targets[t]
+        keymap.carried.extend(sorted(set(keys) - set(keymap.carried)))
+        counts[prefix] = len(set(keys))
+        logger.warning("%s carried as stored (%d checkpoint tensors, unquantized): transformers builds some of "
+                       "its tensors with conversion operations sq cannot read as slices", prefix, len(set(keys)))
+    return counts
 
 
 def _retie(model: nn.Module, plan: LoadPlan, names) -> None:

@@ -96,6 +96,9 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm", rope_parameters=_MROPE), _e("qwen3_vl", "vlm"), _e("qwen3_vl_moe", "vlm", moe=True),
     _e("qwen3_5", "vlm", **_LINEAR), _e("llama4", "vlm", moe=True), _e("mistral3", "vlm"), _e("llava", "vlm"),
     _e("idefics3", "vlm"),
+    # Kimi-K2.5: a DeepSeek-V3 text MoE beside a vision tower whose fused wqkv transformers splits and permutes
+    # while loading (carried as stored: sq.load.loader.carry_side_towers)
+    _e("kimi_k25", "vlm", moe=True, **_MLA),
 ]}
 
 # a vision tower's sizes under every name the vision config classes use; its output width is the text
@@ -315,6 +318,11 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
             problems.append(f"{name!r} of the vision tower / projector was quantized (carried by default)")
     if not deq:
         problems.append("no weight was quantized")
+    written = read_safetensors_dir(out)
+    for name, t in source.items():  # a vision tower / projector carried: in the output as stored, bit for bit
+        if any(part in _VISION_PARTS or part == "mm_projector" for part in name.split(".")) and name not in deq:
+            if name not in written or written[name].dtype != t.dtype or not torch.equal(written[name], t):
+                problems.append(f"{name!r} of the vision tower / projector is not in the output as stored")
     if problems:
         raise AssertionError(f"{out}:\n" + "\n".join(problems))
     with tempfile.TemporaryDirectory(prefix="sq-zoo-ref-") as tmp:
