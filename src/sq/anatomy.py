@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["decoder_blocks", "is_experts_module", "experts_modules", "EXPERT_PARAMS", "FUSED_PARTNERS",
            "partner_groups", "expert_layout_problem", "annotate_experts", "carried_experts", "expert_leaves",
-           "routers", "quantization_patch", "quantized_layout_problems"]
+           "routers", "quantization_patch", "quantized_layout_problems", "config_size"]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -60,6 +60,18 @@ def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise LoadRefused(f"{type(model).__name__} has no '*.layers' ModuleList of decoder blocks")
     blocks = model.get_submodule(best)
     return [(f"{best}.{i}", b) for i, b in enumerate(blocks)]
+
+
+def config_size(cfg, key: str) -> int | None:
+    """Config size ``key`` (``head_dim``, ``num_key_value_heads``): the largest over the layers where it is a
+    per-layer attribute (Gemma 4's full-attention layers with ``global_head_dim``: transformers refuses to
+    read the global value of a heterogeneous config), None where the config has no positive int of it."""
+    try:
+        value = getattr(cfg, key, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: it varies by layer
+        values = [getattr(layer, key, None) for layer in getattr(cfg, "per_layer_config", ())]
+        value = max((v for v in values if isinstance(v, int) and not isinstance(v, bool)), default=None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _fused_3d(mod: nn.Module) -> bool:
