@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, quantized_layout_problems, routers
+from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, quantized_init_problems,
+                        quantized_layout_problems, routers)
 from sq.errors import SqError
 from sq.formats import specs
 from sq.formats.schemes import QuantScheme, check_group_size
@@ -95,6 +96,7 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
             except SqError as e:
                 problems += e.problems
     problems += quantized_layout_problems(model)
+    problems += quantized_init_problems(model, [(l.name, l.module) for l in targets.linears[0]] if targets.linears else [])
     problems += row_shard_problems(targets)
     problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
     problems += algo.refusals(model, assigner, world, cfg.ep)

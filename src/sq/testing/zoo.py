@@ -80,6 +80,7 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("minimax", "moe", layer_types=["linear_attention", "full_attention"]), _e("flex_olmo", "moe"),
     _e("lfm2_moe", "moe", num_dense_layers=1, layer_types=["conv", "full_attention"]),
     _e("exaone_moe", "moe"), _e("qwen3_5_moe_text", "moe", **_LINEAR),
+    _e("afmoe", "moe", num_dense_layers=1, global_attn_every_n_layers=2),
     # hybrids: linear attention / SSM layers beside attention
     _e("qwen3_next", "hybrid", **_LINEAR), _e("qwen3_5_text", "hybrid", **_LINEAR),
     _e("kimi_linear", "hybrid", **_MLA, linear_head_dim=16, linear_num_heads=4, num_experts_per_token=2,
@@ -118,7 +119,9 @@ def tiny_config(model_type: str) -> dict:
         return _vlm_config(config, entry.overrides)
     wanted = dict(_BASE, **_MOE) if entry.family in ("moe", "hybrid") else dict(_BASE)
     defaults = config.to_dict()
-    kwargs = {k: v for k, v in wanted.items() if k in defaults or k in _BASE}
+    # a size the class derives (Falcon's ``head_dim`` property) cannot be set
+    kwargs = {k: v for k, v in wanted.items() if (k in defaults or k in _BASE)
+              and not (isinstance(getattr(type(config), k, None), property) and getattr(type(config), k).fset is None)}
     return kwargs | entry.overrides
 
 
