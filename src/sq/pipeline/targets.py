@@ -96,7 +96,8 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
             except SqError as e:
                 problems += e.problems
     problems += quantized_layout_problems(model)
-    problems += quantized_init_problems(model, [(l.name, l.module) for l in targets.linears[0]] if targets.linears else [])
+    first = targets.linears[0] if targets.linears else []
+    problems += quantized_init_problems(model, [(lin.name, lin.module) for lin in first])
     problems += row_shard_problems(targets)
     problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
     problems += algo.refusals(model, assigner, world, cfg.ep)
