@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["decoder_blocks", "is_experts_module", "experts_modules", "EXPERT_PARAMS", "FUSED_PARTNERS",
            "partner_groups", "expert_layout_problem", "annotate_experts", "carried_experts", "expert_leaves",
-           "routers", "quantization_patch", "quantized_layout_problems"]
+           "routers", "quantization_patch", "quantized_layout_problems", "config_size",
+           "quantized_init_problems"]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -49,17 +50,45 @@ FUSED_PARTNERS: tuple[tuple[str, ...], ...] = (
 
 
 def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The decoder blocks, in order: the largest ``*.layers`` ModuleList (the text decoder in a VLM)."""
-    best, best_n = None, -1
+    """The decoder blocks, in order: the ModuleList of blocks holding the most parameters (the text decoder in a
+    VLM), whatever it is called (``model.layers``, Falcon's and GPT-BigCode's ``transformer.h``, DBRX's
+    ``transformer.blocks``).  A block is a module with submodules of its own (not a bare Linear or a
+    list of lists); a ModuleList nested inside a block (per-expert lists) holds less than the stack.  Where
+    the (text) config counts its layers, only lists of that length are candidates (a VLM's merger list of a
+    vision tower is not its text decoder, however small the decoder); a list inside another's blocks is not."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n_layers = config_size(cfg, "num_hidden_layers")
+    found = []
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] == "layers" and len(mod):
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = name, n
+        if not (isinstance(mod, nn.ModuleList) and len(mod)):
+            continue
+        if not all(len(b._modules) and not isinstance(b, nn.ModuleList) for b in mod):
+            continue
+        found.append((sum(p.numel() for p in mod.parameters()), len(mod) == n_layers, name))
+    # a list inside another's blocks (LongCat's per-layer ``mlps``, per-expert lists) is not the stack
+    found = [f for f in found if not any(f[2].startswith(g[2] + ".") for g in found)]
+    counted = [f for f in found if f[1]] or found
+    best, best_n = None, 0
+    for n, _, name in counted:
+        if n > best_n:
+            best, best_n = name, n
     if best is None:
-        raise LoadRefused(f"{type(model).__name__} has no '*.layers' ModuleList of decoder blocks")
+        raise LoadRefused(f"{type(model).__name__} has no ModuleList of decoder blocks")
     blocks = model.get_submodule(best)
     return [(f"{best}.{i}", b) for i, b in enumerate(blocks)]
+
+
+def config_size(cfg, key: str) -> int | None:
+    """Config size ``key`` (``head_dim``, ``num_key_value_heads``): the largest over the layers where it is a
+    per-layer attribute (Gemma 4's full-attention layers with ``global_head_dim``: transformers refuses to
+    read the global value of a heterogeneous config), None where the config has no positive int of it."""
+    try:
+        value = getattr(cfg, key, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: it varies by layer
+        values = [getattr(layer, key, None) for layer in getattr(cfg, "per_layer_config", ())]
+        value = max((v for v in values if isinstance(v, int) and not isinstance(v, bool)), default=None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _fused_3d(mod: nn.Module) -> bool:
@@ -264,3 +293,40 @@ def quantized_layout_problems(model: nn.Module) -> list[str]:
             f"{quantization_patch(model.get_submodule(names[0])).__name__} (per-expert Linears), a layout sq does "
             "not write yet; no quantized output of this model would load"
             for cls, names in found.items()]
+
+
+def quantized_init_problems(model: nn.Module, linears: list[tuple[str, nn.Module]]) -> list[str]:
+    """Quantized Linears (``(name, module)``, one block's) transformers cannot load: the model's own
+    ``_init_weights`` reads ``.weight`` of the Linear or of its parent's Linears, which a compressed-tensors
+    Linear does not have (Falcon's ``FalconLinear``, GPT-BigCode's ``c_proj``), so loading the output fails.
+    Proven by running that ``_init_weights`` with each weight taken away, on meta parameters only (real
+    weights are never touched: an in-memory model is not probed)."""
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        return []
+    failing = []
+    for name, lin in linears:
+        w = lin._parameters.get("weight")
+        if w is None or not w.is_meta:
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        del lin._parameters["weight"]
+        try:
+            for mod in (lin, parent):
+                try:
+                    init(mod)
+                except AttributeError as e:
+                    if "weight" in str(e):
+                        failing.append(name)
+                        break
+                except Exception:  # noqa: BLE001 - another failure of an init on meta: not this probe's finding
+                    break
+        finally:
+            lin._parameters["weight"] = w
+    if not failing:
+        return []
+    leaves = sorted({n.rpartition(".")[2] for n in failing})
+    return [f"{type(model).__name__}: transformers cannot load a quantized checkpoint of it: its _init_weights "
+            f"reads .weight of {failing[0]}{f' and {len(failing) - 1} more' if len(failing) > 1 else ''}, which a "
+            f"quantized (compressed-tensors) Linear does not have; keep them unquantized with "
+            f"--ignore 're:.*\\.({'|'.join(leaves)})$'"]

@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 READ_AHEAD = 2  # units a rank reads ahead of the one it quantizes (memory: this many more units' tensors)
 
-LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<i>\d+)\.(?P<rest>.+)$")
+# a tensor of a numbered block: its first numbered component (``model.layers.3.``, Falcon's ``transformer.h.3.``,
+# DBRX's ``transformer.blocks.3.``); the decoder is the list of them holding the most bytes
+LAYER = re.compile(r"^(?P<prefix>[^.]+(?:\.[^.]*[^.\d][^.]*)*?)\.(?P<i>\d+)\.(?P<rest>.+)$")
 EXPERT_KEY = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
 _PROJ = re.compile(r"(_proj|_proj_with_mqa|^w[1-3]|^fc\d|^dense(_h_to_4h|_4h_to_h)?|^query_key_value|^c_(attn|proj|fc)"
                    r"|^w[qkvo])$")
@@ -101,9 +103,10 @@ def fp32_patterns(config: dict, dtype: torch.dtype) -> list[str]:
 
 def _num_layers(config: dict) -> int | None:
     for c in (config, config.get("text_config") or {}):
-        n = c.get("num_hidden_layers") if isinstance(c, dict) else None
-        if isinstance(n, int):
-            return n
+        for key in ("num_hidden_layers", "n_layer", "n_layers"):  # GPT-BigCode's and DBRX's spellings
+            n = c.get(key) if isinstance(c, dict) else None
+            if isinstance(n, int):
+                return n
     return None
 
 
@@ -130,12 +133,16 @@ def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
 
     tensors = {k: v for k, v in source.tensors.items() if k not in fp8_scales}
     counts: dict[str, int] = {}
+    ends: dict[str, int] = {}
     for k, t in tensors.items():
         m = LAYER.match(k)
         if m:
             counts[m["prefix"]] = counts.get(m["prefix"], 0) + t.nbytes
-    prefix = max(counts, key=counts.get) if counts else None
+            ends[m["prefix"]] = max(ends.get(m["prefix"], 0), int(m["i"]) + 1)
     n_layers = _num_layers(source.config)
+    # lists as long as the config's layers (MTP layers past them included) before any other (a VLM's mergers)
+    counts = {p: n for p, n in counts.items() if n_layers is None or ends[p] >= n_layers} or counts
+    prefix = max(counts, key=counts.get) if counts else None
     layers: dict[int, list[str]] = {}
     root, carried, problems = [], [], []
     for k in sorted(tensors):

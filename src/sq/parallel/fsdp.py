@@ -43,6 +43,13 @@ def apply_parallel(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtyp
     ep = mesh.size(1) if mesh.ndim == 2 else 1
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype)
 
+    # sq never trains a weight: every parameter a constant.  FSDP2 then holds parameters of mixed dtypes
+    # in one unit (its uniform-dtype rule binds only parameters that want a gradient; the all-gather
+    # carries mixed dtypes as bytes, or casts them all to ``compute_dtype``): a float32 router, norm or
+    # state parameter (DeepSeek's ``e_score_correction_bias``, Kimi-Linear's ``A_log``) beside bf16
+    # weights, wherever it sits in the block, needs no unit of its own.
+    for p in model.parameters():
+        p.requires_grad_(False)
     for _, block in decoder_blocks(model):
         ignored = set()
         experts = experts_modules(block)
@@ -50,25 +57,9 @@ def apply_parallel(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtyp
             for _, ex in experts:
                 shard_experts(ex, mesh)
                 ignored.update(p for p in ex.parameters(recurse=False))
-        for sub in _other_dtype_modules(block, ignored):
-            fully_shard(sub, mesh=flat, reshard_after_forward=True, mp_policy=mp)
         fully_shard(block, mesh=flat, reshard_after_forward=True, ignored_params=ignored or None, mp_policy=mp)
     fully_shard(model, mesh=flat, reshard_after_forward=True, mp_policy=mp)
     return model
-
-
-def _other_dtype_modules(block: nn.Module, ignored: set) -> list[nn.Module]:
-    """Submodules holding parameters of another dtype than most of the block's: each its own FSDP2 unit.
-
-    An FSDP2 unit all-gathers one dtype; a bf16 DeepSeek-V3 keeps its router ``mlp.gate.weight``
-    in float32 (transformers' ``_keep_in_fp32_modules_strict``), and its block's forward would
-    fail with "FSDP expects uniform original parameter dtype".
-    """
-    main = main_dtype(block, ignored)
-    if all(p.dtype == main for p in block.parameters() if p not in ignored):
-        return []
-    return [m for m in block.modules() if m is not block
-            and any(p.dtype != main for p in m.parameters(recurse=False) if p not in ignored)]
 
 
 def main_dtype(module: nn.Module, ignored=()) -> torch.dtype | None:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, quantized_layout_problems, routers
+from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, quantized_init_problems,
+                        quantized_layout_problems, routers)
 from sq.errors import SqError
 from sq.formats import specs
 from sq.formats.schemes import QuantScheme, check_group_size
@@ -95,6 +96,8 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
             except SqError as e:
                 problems += e.problems
     problems += quantized_layout_problems(model)
+    first = targets.linears[0] if targets.linears else []
+    problems += quantized_init_problems(model, [(lin.name, lin.module) for lin in first])
     problems += row_shard_problems(targets)
     problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
     problems += algo.refusals(model, assigner, world, cfg.ep)

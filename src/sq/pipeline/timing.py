@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sq.anatomy import config_size
 from sq.files import default_cache_dir, write_bytes_atomic
 from sq.pipeline.footprint import MemoryFacts, block_shape
 from sq.quant.forward import ACT_HIDDEN, ACT_WIDE
@@ -140,8 +141,8 @@ def top_k_of(config) -> int:
 
 
 def _attention_width(config, hidden: int) -> int:
-    heads, dim = getattr(config, "num_attention_heads", None), getattr(config, "head_dim", None)
-    if isinstance(heads, int) and isinstance(dim, int):
+    heads, dim = config_size(config, "num_attention_heads"), config_size(config, "head_dim")
+    if heads is not None and dim is not None:
         return heads * dim
     return hidden
 

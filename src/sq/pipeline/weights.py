@@ -142,7 +142,7 @@ class ModelWeights:
         self.touched = False  # whether the job began quantizing a block in place (sq.api marks the model)
         blocks = decoder_blocks(model)
         if not blocks:
-            raise SqError(f"{type(model).__name__}: no decoder blocks found (expected a *.layers ModuleList)")
+            raise SqError(f"{type(model).__name__}: no decoder blocks found (expected a ModuleList of decoder blocks)")
         persistent = _persistent_names(model)
         self._blocks = [[n for n in persistent if n.startswith(p + ".")] for p, _ in blocks]
         in_blocks = {n for names in self._blocks for n in names}

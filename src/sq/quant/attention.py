@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sq.anatomy import config_size
+
 __all__ = ["HAND_BACKWARD_BYTES", "IMPL", "attention_shape", "causal_chunks", "hand_backward_bytes", "sdpa", "use_sdpa"]
 
 IMPL = "sq_sdpa"
@@ -141,14 +143,15 @@ class _CausalChunks(torch.autograd.Function):
 
 
 def attention_shape(model: nn.Module) -> tuple[int, int]:
-    """``(heads, head_dim)`` of the model's (text) attention from its config; ``(0, 0)`` if it names none."""
+    """``(heads, head_dim)`` of the model's (text) attention from its config (the largest over the layers where
+    they vary by layer); ``(0, 0)`` if it names none."""
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = getattr(cfg, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads < 1:
+    heads = config_size(cfg, "num_attention_heads")
+    if heads is None:
         return 0, 0
-    dim = getattr(cfg, "head_dim", None)
-    if not isinstance(dim, int) or dim < 1:
+    dim = config_size(cfg, "head_dim")
+    if dim is None:
         hidden = getattr(cfg, "hidden_size", None)
         dim = hidden // heads if isinstance(hidden, int) else 0
     return heads, dim
