@@ -42,7 +42,7 @@ ROTATE_REFUSED = {
     "granitemoehybrid": _NOT_EXPERTS, "granitemoeshared": _NOT_EXPERTS, "longcat_flash": _NOT_EXPERTS,
     "nemotron_h": _NOT_EXPERTS, "qwen3_vl_moe": _NOT_EXPERTS,
     "afmoe": _SANDWICH, "exaone4": _SANDWICH, "flex_olmo": _SANDWICH, "gemma2": _SANDWICH, "gemma3": _SANDWICH, "gemma3_text": _SANDWICH,
-    "gemma4_text": _SANDWICH, "glm4": _SANDWICH, "olmo2": _SANDWICH, "olmo3": _SANDWICH,
+    "gemma4_text": _SANDWICH, "zamba2": _SANDWICH, "glm4": _SANDWICH, "olmo2": _SANDWICH, "olmo3": _SANDWICH,
     "falcon_h1": "--rotate r1: block 0", "minimax": "--rotate r1: block 0", "kimi_linear": "--rotate r2: block 0",
     "qwen3_5": _R2, "qwen3_5_moe_text": _R2, "qwen3_5_text": _R2, "qwen3_next": _R2,
     "nemotron": _NO_FINAL_NORM, "phi": _NO_FINAL_NORM, "phimoe": _NO_FINAL_NORM, "stablelm": _NO_FINAL_NORM,

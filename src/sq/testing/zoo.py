@@ -93,6 +93,10 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("lfm2", "hybrid", layer_types=["conv", "full_attention"]),
     _e("bamba", "hybrid", **_MAMBA, attn_layer_indices=[1]),
     _e("granitemoehybrid", "hybrid", **_MAMBA, layer_types=["mamba", "attention"]),
+    # Zamba2: one shared attention block, stored once per hybrid layer and tied by transformers while loading
+    _e("zamba2", "hybrid", num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+       hybrid_layer_ids=[1, 3], attention_head_dim=32, mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1,
+       mamba_d_state=16, chunk_size=16, num_mem_blocks=1, adapter_rank=16, use_mem_rope=False),
     # vision-language: overrides go to text_config; the vision tower is tiny (_VISION)
     _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm", rope_parameters=_MROPE), _e("qwen3_vl", "vlm"), _e("qwen3_vl_moe", "vlm", moe=True),
     _e("qwen3_5", "vlm", **_LINEAR), _e("llama4", "vlm", moe=True), _e("mistral3", "vlm"), _e("llava", "vlm"),
