@@ -61,12 +61,13 @@ from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
 from sq.probe import (Choice, attention_backward_choice, attention_chunk_choice, calib_dtype_choice,
                       hessian_products_choice, machine)
-from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
+from sq.pipeline.checks import job_problems
+from sq.pipeline.targets import Targets, config_groups, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
-from sq.pipeline.search import apply_search, cost_dtype, search_problems
-from sq.pipeline.rotation import Rotation, rotation_problems
-from sq.quant.served import ServedActivations, served_activations_problems
-from sq.quant.smooth import smooth_block, smooth_problems
+from sq.pipeline.search import apply_search
+from sq.pipeline.rotation import Rotation
+from sq.quant.served import ServedActivations
+from sq.quant.smooth import smooth_block
 from sq.pipeline.disk import written_bytes
 from sq.pipeline.preflight import disk_preflight, memory_preflight, time_preflight
 
@@ -130,14 +131,9 @@ class _Pipeline:
     def claim(self) -> bool:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
-        problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
-        problems += search_problems(cfg, self.model, self.algo, self.targets, self.world, cost_dtype(self.weight_dtype))
-        problems += rotation_problems(cfg, self.weights.in_memory, self.model)
-        problems += served_activations_problems(cfg, self.targets)
-        problems += smooth_problems(cfg, self.targets.blocks)
-        if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
-            problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
-                            "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
+        problems = job_problems(cfg, self.model, self.assigner, self.algo, self.targets, world=self.world,
+                                in_memory=self.weights.in_memory, weight_dtype=self.weight_dtype,
+                                calibrated=self.calibrated, src=getattr(self.weights, "src", None))
         # the choices an earlier run in this folder recorded (its signature's args): one read, one collective
         args = ((self.run.recorded_signature() or {}).get("args") or {}
                 if self.calibrated and cfg.resume != "never" else {})
@@ -153,7 +149,6 @@ class _Pipeline:
             sig["args"]["hessian_products"] = "bf16" if bf16 else "float32"
             self.hessian = {"products": "bf16" if bf16 else "float32", **why} if why else {}
             use_bf16_products(bf16)  # this job's Hessians (and the time preflight's measure of them)
-        problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         if cfg.preflight and not problems:  # a job refused already is not sized (its schemes may not apply)
             for check, part in ((memory_preflight, "memory"), (disk_preflight, "disk")):
                 found, facts = check(self)
