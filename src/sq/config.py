@@ -98,7 +98,7 @@ class PTQConfig:
         for flag in ("nsamples", "seqlen", "ep", "rotate_block"):
             v = getattr(self, flag)
             if v is not None and v <= 0:
-                out.append(f"--{flag} must be positive, got {v}")
+                out.append(f"--{flag.replace('_', '-')} must be positive, got {v}")
         out += [f"--rotate {r}: unknown rotation (known: {', '.join(ROTATIONS)})" + (
                     "; r3 (queries and keys, for a quantized KV cache) is not built: vLLM applies no attention "
                     "transforms, so a checkpoint with one would be served without it" if r == "r3" else "")
@@ -115,6 +115,10 @@ class PTQConfig:
             out.append(f"--kv-cache must be one of {', '.join(KV_CACHE_SCHEMES)}, got {self.kv_cache!r}")
         if not 0 < self.timeout_s < float("inf"):  # NaN fails too; the collective timeout is a timedelta
             out.append(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        if self.target_bits is None and self.candidates != PTQConfig.candidates:
+            out.append(f"--candidates {','.join(self.candidates)} are the schemes --target-bits chooses from; without "
+                       "--target-bits nothing chooses: give --target-bits BITS too, or drop --candidates (--scheme / "
+                       "--recipe choose the schemes then)")
         out += check_patterns(self.ignore, ignore_label)  # bounded matching time: sq.patterns
         try:
             make_assigner(self.scheme, self.group_size, (), None, self.grid)

@@ -249,6 +249,11 @@ class _Pipeline:
             work.acts, observed_out = self._observe_activations(work)
             phase["observe"] = time.perf_counter() - t
             t = time.perf_counter()
+        if (observed_out is None and self.calibrated and not self.algo.calibrated
+                and b + 1 < len(self.targets.blocks)):
+            # data read for --smooth alone (RTN, a scheme with dynamic activations: nothing observed): the next
+            # block's inputs are this block's full-precision outputs, as RTN's observed forward gives them
+            observed_out = block_forward(block, self.inputs, self.steps, self.dummy, autocast=self.autocast)
         if self.algo.fp_chain and not self.algo.pairs_chains:  # the full-precision outputs: the algorithm's targets
             work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy, autocast=self.autocast)
         if self.algo.calibrated:
