@@ -116,6 +116,7 @@ class _Pipeline:
         self.choice: Choice | None = None
         self.hessian: dict = {}  # GPTQ's Hessian products: how and why (the report's speed.hessian)
         self.stats = _Stats()
+        self._raw_nonfinite: list[tuple[torch.Tensor, torch.Tensor]] = []  # --skip-nonfinite: (weight, stored values)
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
         self.search_report: dict | None = None  # --target-bits (sq.pipeline.search), when it ran in this process
         # --rotate (sq.pipeline.rotation): fused into each block right after it is filled
@@ -269,6 +270,7 @@ class _Pipeline:
         if self.calibrated and b + 1 < len(self.targets.blocks):
             self._propagate(work, observed_out)
             phase["forward"] = time.perf_counter() - t
+        self._restore_nonfinite()
         t = time.perf_counter()
         wait = self._write(work, names, results, expert_q, bad)
         phase["write"] = time.perf_counter() - t - wait
@@ -296,7 +298,19 @@ class _Pipeline:
                 raise SqError(refused)
             logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
             self.targets.linears[b] = [l for l in linears if l.name not in bad]
+            if self.calibrated:  # the forwards read the non-finite entries as 0; the checkpoint gets them as stored
+                self._raw_nonfinite = [(w, w.clone()) for w in (local_box(l.module.weight)[0]
+                                                                  for l in linears if l.name in bad)]
+                for w, _ in self._raw_nonfinite:
+                    torch.nan_to_num_(w, nan=0.0, posinf=0.0, neginf=0.0)
         return bad
+
+    def _restore_nonfinite(self) -> None:
+        """The skipped Linears' stored values back (NaN/Inf included) before the block is written: they were
+        read as 0 by the calibration forwards only, so the Linears after them calibrate on finite inputs."""
+        for w, raw in self._raw_nonfinite:
+            w.copy_(raw)
+        self._raw_nonfinite = []
 
     def _reduce(self, work: BlockWork) -> None:
         """Statistics a format reads across a weight's rows (NVFP4's global absmax, FP8's per-tensor or
