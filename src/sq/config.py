@@ -119,12 +119,30 @@ class PTQConfig:
             out.append(f"--candidates {','.join(self.candidates)} are the schemes --target-bits chooses from; without "
                        "--target-bits nothing chooses: give --target-bits BITS too, or drop --candidates (--scheme / "
                        "--recipe choose the schemes then)")
+        out += self._int_grid_problems()
         out += check_patterns(self.ignore, ignore_label)  # bounded matching time: sq.patterns
         try:
             make_assigner(self.scheme, self.group_size, (), None, self.grid)
         except SqError as e:
             out += e.problems
         return out
+
+    def _int_grid_problems(self) -> list[str]:
+        """``--int-grid full`` where no scheme the job can assign is a symmetric integer one: it would change
+        nothing (a recipe's schemes are its own: not checked here)."""
+        from sq.formats.schemes import PRESET_NAMES, get_scheme
+
+        if self.int_grid != "full" or self.recipe is not None:
+            return []
+        names = self.candidates if self.target_bits is not None else (self.scheme,)
+        if not all(n in PRESET_NAMES for n in names):
+            return []  # an unknown name is refused by name elsewhere
+        schemes = [get_scheme(n) for n in names]
+        if any(sc.type == "int" and sc.symmetric for sc in schemes):
+            return []
+        return [f"--int-grid full changes only symmetric integer schemes; {', '.join(names)} "
+                f"{'is' if len(names) == 1 else 'are'} not one (an asymmetric scheme's zero point already spans "
+                "the whole grid): drop --int-grid, or choose a symmetric int scheme (W4A16, W8A16, ...)"]
 
     @property
     def grid(self) -> str:
