@@ -77,8 +77,8 @@ def calibration_problems(windows, model: nn.Module) -> list[str]:
     if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
         return [f"calibration: expected integer token ids [nsamples, seqlen], got {windows.dtype} {tuple(windows.shape)}"]
     if windows.shape[0] == 0 or windows.shape[1] < 2:
-        return [f"calibration: shape {tuple(windows.shape)} has {'no rows' if windows.shape[0] == 0 else 'rows of '
-                f'{windows.shape[1]} token(s)'}; every row needs at least 2 tokens"]
+        what = "no rows" if windows.shape[0] == 0 else f"rows of {windows.shape[1]} token(s)"
+        return [f"calibration: shape {tuple(windows.shape)} has {what}; every row needs at least 2 tokens"]
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(emb, "num_embeddings", None)
     lo, hi = int(windows.min()), int(windows.max())

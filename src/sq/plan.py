@@ -238,6 +238,19 @@ def _calib_dtype(cfg, targets, algo, weight_dtype, device: str, calibrated: bool
     return chain, choice.autocast or chain
 
 
+def _nonfinite(value, path: str = "") -> list[str]:
+    """The keys (dotted) of ``value``'s floats that are NaN or infinite."""
+    import math
+
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [path or "value"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _nonfinite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _nonfinite(v, f"{path}[{i}]")]
+    return []
+
+
 def _print(plan: dict) -> None:
     from sq.pipeline.footprint import PARTS
 
@@ -317,6 +330,11 @@ def main(argv=None) -> int:
         plan, problems = plan_job(config_from(a), nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, device=a.device,
                                   host_memory=a.host_memory, gpu_memory=a.gpu_memory, rates=rates, t0=t0,
                                   model_free=a.model_free)
+        odd = _nonfinite(plan)
+        if odd:  # stated speeds at the edge of what a float holds: say so instead of printing inf / NaN
+            raise SqError(f"the plan's {', '.join(odd[:3])} came out non-finite: the stated --tflops / "
+                          "--mem-bandwidth / --read-bandwidth / --link-bandwidth / memory are beyond what it can "
+                          "price; state a real machine's")
         print(json.dumps(plan, allow_nan=False)) if a.json else _print(plan)  # strict JSON: no NaN / Infinity
         if problems:
             raise SqError(problems)
