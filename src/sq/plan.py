@@ -7,7 +7,9 @@ of the job builds it), and prints the job's preflights: each rank's peak memory 
 ``--host-memory`` / ``--gpu-memory`` for another), and the disk (``sq.pipeline.disk``): the checkpoint, the
 resume state, the free space where ``--output`` lives; the checkpoint bytes each rank reads and the seconds the
 job takes by phase (``sq.pipeline.timing``: this machine's rates from short probes, or another machine's as
-stated with ``--tflops`` and the bandwidths).  No process group, no weight read.
+stated with ``--tflops`` and the bandwidths).  No process group, no weight read.  Before predicting, the job's
+own refusals (``sq.pipeline.checks``, the functions ``sq.ptq`` calls): a job ``sq.ptq`` refuses at once,
+``sq.plan`` refuses with the same ``sq: error:`` lines (the calibration corpus is read for that).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ __all__ = ["build_parser", "plan_job", "main"]
 DESCRIPTION = """\
 Predict what a sq.ptq job needs before launching it. Takes sq.ptq's own arguments (prefix
 the job's command line with python -m sq.plan) and the launch, reads only config.json, the index
-and the safetensors headers, and prints each rank's peak memory by part against the node's memory,
-the disk the checkpoint and the resume state will take and the free space where --output lives,
-the bytes each rank reads and the time the job takes by phase (this machine's speeds, measured by
-short probes; or a GPU's, stated with --tflops and the bandwidths); exits 2 with the job's own
-refusals when it would not fit."""
+and the safetensors headers (and, for a calibrated job, the tokenizer and the corpus), refuses what
+sq.ptq refuses at once (the same checks, the same messages), and prints each rank's peak memory by
+part against the node's memory, the disk the checkpoint and the resume state will take and the free
+space where --output lives, the bytes each rank reads and the time the job takes by phase (this
+machine's speeds, measured by short probes; or a GPU's, stated with --tflops and the bandwidths);
+exits 2 with the job's own refusals when it would not fit."""
 
 
 def _positive(unit: str):
