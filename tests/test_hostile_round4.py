@@ -276,7 +276,7 @@ def test_tensor_missing_from_index_is_read_from_its_file(checkpoints, tmp_path):
     out = tmp_path / "out"
     r = run_cli(["sq.ptq", "--model", str(ck), "--output", str(out), *RTN], 1, timeout=120, stop_on_failure=False)
     assert r.codes == [0], r.stderr[-3000:]
-    assert f"does not list 1 tensor(s) its listed files hold" in r.stderr and key in r.stderr
+    assert "does not list 1 tensor(s) its listed files hold" in r.stderr and key in r.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.1.mlp.up_proj.weight_packed" in index
 

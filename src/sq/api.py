@@ -75,7 +75,8 @@ def calibration_problems(windows, model: nn.Module) -> list[str]:
         return [f"calibration: expected a torch.Tensor of integer token ids [nsamples, seqlen], got a "
                 f"{type(windows).__name__} (torch.tensor(ids, dtype=torch.long) makes one)"]
     if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
-        return [f"calibration: expected integer token ids [nsamples, seqlen], got {windows.dtype} {tuple(windows.shape)}"]
+        return [f"calibration: expected integer token ids [nsamples, seqlen], got {windows.dtype} "
+                f"{tuple(windows.shape)}"]
     if windows.shape[0] == 0 or windows.shape[1] < 2:
         what = "no rows" if windows.shape[0] == 0 else f"rows of {windows.shape[1]} token(s)"
         return [f"calibration: shape {tuple(windows.shape)} has {what}; every row needs at least 2 tokens"]

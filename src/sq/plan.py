@@ -71,7 +71,8 @@ def build_parser():
     p.prog = "python -m sq.plan"
     p.description = DESCRIPTION
     p.add_argument("--json", action="store_true", help="print the plan as one JSON line (for schedulers)")
-    p.add_argument("--nproc-per-node", type=_count, default=1, metavar="N", help="ranks per node, as torchrun's (default 1)")
+    p.add_argument("--nproc-per-node", type=_count, default=1, metavar="N",
+                   help="ranks per node, as torchrun's (default 1)")
     p.add_argument("--nnodes", type=_count, default=1, metavar="K", help="nodes, as torchrun's (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the ranks compute: cpu (host memory) or cuda (one GPU per rank; default cpu)")

@@ -260,7 +260,8 @@ def _prepare(cfg, world: int):
     from sq.resolve import resolve_model_dist
 
     problems = list(cfg.problems())
-    problems += ep_problems(cfg.ep, world)  # nothing is expert-parallel here, but a typo is refused as the model path does
+    # nothing is expert-parallel here, but an --ep the model path would refuse is a typo: refused the same way
+    problems += ep_problems(cfg.ep, world)
     assigner = None
     try:
         assigner = cfg.assigner()

@@ -82,7 +82,7 @@ def output_problems(out: Path, resume: str) -> list[str]:
 
     out = Path(out)
     if not out.is_dir():
-        return []
+        return [f"--resume require: {out} holds no run to resume"] if resume == "require" else []
     try:
         unfinished = RunState(out, rank=0).read_signature()
     except SqError as e:

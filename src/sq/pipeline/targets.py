@@ -24,7 +24,8 @@ from sq.quant.work import ExpertGroup, Linear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Targets", "plan_targets", "model_problems", "ep_problems", "nonfinite", "nonfinite_refusal", "config_groups", "auto_ep"]
+__all__ = ["Targets", "plan_targets", "model_problems", "ep_problems", "nonfinite",
+           "nonfinite_refusal", "config_groups", "auto_ep"]
 
 
 @dataclass
