@@ -60,6 +60,8 @@ AGREE = {
     "output-nonempty": (lambda t: RTN, r"--output .*full is not empty", _nonempty_output),
     "corpus-short": (_short_corpus, r"calibration data: 4 windows x 16 tokens = 64 tokens, but the corpus has only",
                      None),
+    "resume-require": (lambda t: [*RTN, "--resume", "require"], r"--resume require: .*out holds no run to resume",
+                       None),
     "rotate-r3": (lambda t: [*RTN, "--rotate", "r3"], r"--rotate r3: unknown rotation", None),
     "smooth-2": (lambda t: [*RTN, "--smooth", "2"], r"--smooth must be a migration strength in \(0, 1\]", None),
     "target-bits-100": (lambda t: [*GPTQ, "--target-bits", "100"], r"--target-bits must be .* above 0 and below 64",
