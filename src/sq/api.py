@@ -67,6 +67,31 @@ QUANTIZED_MARK = "_sq_quantized_into"
 _QUANTIZED_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape")
 
 
+def calibration_problems(windows, model: nn.Module) -> list[str]:
+    """``calibration=`` refused before anything is written: not a tensor, not integer ids ``[nsamples, seqlen]``,
+    rows without tokens (a window needs 2: a token and the next), ids outside the model's vocabulary (its input
+    embedding's rows), which an embedding lookup would fail on mid-job."""
+    if not isinstance(windows, torch.Tensor):
+        return [f"calibration: expected a torch.Tensor of integer token ids [nsamples, seqlen], got a "
+                f"{type(windows).__name__} (torch.tensor(ids, dtype=torch.long) makes one)"]
+    if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
+        return [f"calibration: expected integer token ids [nsamples, seqlen], got {windows.dtype} "
+                f"{tuple(windows.shape)}"]
+    if windows.shape[0] == 0 or windows.shape[1] < 2:
+        what = "no rows" if windows.shape[0] == 0 else f"rows of {windows.shape[1]} token(s)"
+        return [f"calibration: shape {tuple(windows.shape)} has {what}; every row needs at least 2 tokens"]
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    lo, hi = int(windows.min()), int(windows.max())
+    if lo < 0 or (isinstance(rows, int) and hi >= rows):
+        bad = lo if lo < 0 else hi
+        where = torch.nonzero(windows == bad)[0].tolist()
+        return [f"calibration: token id {bad} at row {where[0]}, column {where[1]} is outside the model's vocabulary "
+                f"(ids 0..{rows - 1 if isinstance(rows, int) else 'N'}: its input embedding's rows); tokenize with the "
+                "model's own tokenizer"]
+    return []
+
+
 def already_quantized_problems(model: nn.Module) -> list[str]:
     """Why ``model`` must not be quantized (again): it holds sq's dequantized weights from an earlier
     ``sq.quantize``, carries a ``quantization_config`` (loaded from a quantized checkpoint), or has
@@ -176,13 +201,12 @@ def _quantize(model: nn.Module, output, *, scheme, algo, group_size, calibration
     if not problems and cfg.needs_data(assigner):
         if calibration is not None:
             windows = calibration
-            if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32):
-                problems.append(f"calibration: expected integer token ids [nsamples, seqlen], got "
-                                f"{windows.dtype} {tuple(windows.shape)}")
-            elif windows.shape[0] < dist.get_world_size():
-                problems.append(f"calibration: {windows.shape[0]} samples for {dist.get_world_size()} ranks; "
-                                "every rank needs at least one")
-            else:
+            found = calibration_problems(windows, model)
+            if not found and windows.shape[0] < dist.get_world_size():
+                found.append(f"calibration: {windows.shape[0]} samples for {dist.get_world_size()} ranks; "
+                             "every rank needs at least one")
+            problems += found
+            if not found:
                 cfg = dataclasses.replace(cfg, nsamples=int(windows.shape[0]), seqlen=int(windows.shape[1]),
                                           dataset="tensor")
                 data = {"spec": "tensor", "sha256": sha256_bytes(windows.contiguous().cpu().numpy().tobytes())}

@@ -98,7 +98,7 @@ class PTQConfig:
         for flag in ("nsamples", "seqlen", "ep", "rotate_block"):
             v = getattr(self, flag)
             if v is not None and v <= 0:
-                out.append(f"--{flag} must be positive, got {v}")
+                out.append(f"--{flag.replace('_', '-')} must be positive, got {v}")
         out += [f"--rotate {r}: unknown rotation (known: {', '.join(ROTATIONS)})" + (
                     "; r3 (queries and keys, for a quantized KV cache) is not built: vLLM applies no attention "
                     "transforms, so a checkpoint with one would be served without it" if r == "r3" else "")
@@ -115,12 +115,34 @@ class PTQConfig:
             out.append(f"--kv-cache must be one of {', '.join(KV_CACHE_SCHEMES)}, got {self.kv_cache!r}")
         if not 0 < self.timeout_s < float("inf"):  # NaN fails too; the collective timeout is a timedelta
             out.append(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        if self.target_bits is None and self.candidates != PTQConfig.candidates:
+            out.append(f"--candidates {','.join(self.candidates)} are the schemes --target-bits chooses from; without "
+                       "--target-bits nothing chooses: give --target-bits BITS too, or drop --candidates (--scheme / "
+                       "--recipe choose the schemes then)")
+        out += self._int_grid_problems()
         out += check_patterns(self.ignore, ignore_label)  # bounded matching time: sq.patterns
         try:
             make_assigner(self.scheme, self.group_size, (), None, self.grid)
         except SqError as e:
             out += e.problems
         return out
+
+    def _int_grid_problems(self) -> list[str]:
+        """``--int-grid full`` where no scheme the job can assign is a symmetric integer one: it would change
+        nothing (a recipe's schemes are its own: not checked here)."""
+        from sq.formats.schemes import PRESET_NAMES, get_scheme
+
+        if self.int_grid != "full" or self.recipe is not None:
+            return []
+        names = self.candidates if self.target_bits is not None else (self.scheme,)
+        if not all(n in PRESET_NAMES for n in names):
+            return []  # an unknown name is refused by name elsewhere
+        schemes = [get_scheme(n) for n in names]
+        if any(sc.type == "int" and sc.symmetric for sc in schemes):
+            return []
+        return [f"--int-grid full changes only symmetric integer schemes; {', '.join(names)} "
+                f"{'is' if len(names) == 1 else 'are'} not one (an asymmetric scheme's zero point already spans "
+                "the whole grid): drop --int-grid, or choose a symmetric int scheme (W4A16, W8A16, ...)"]
 
     @property
     def grid(self) -> str:

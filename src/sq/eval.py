@@ -105,16 +105,73 @@ def _refuse_pickle(source) -> None:
     raise SqError(f"{root} has no *.safetensors files")
 
 
+def _refuse_unfinished(source) -> None:
+    """An sq output folder whose run has not finished (``.sq-run/`` there, no config.json or index yet) is
+    named as that, not as a checkpoint missing its tokenizer."""
+    from sq.files import INDEX_NAME, RUN_DIR
+
+    root = Path(source)
+    if (root / RUN_DIR).is_dir() and not ((root / "config.json").is_file() and (root / INDEX_NAME).is_file()):
+        raise SqError(f"{root} is an unfinished sq.ptq run ({RUN_DIR}/ holds its state; the checkpoint's config.json "
+                      "and index are written last): rerun the sq.ptq command that made it (it resumes where it "
+                      "stopped), then evaluate the folder")
+
+
+def _refuse_torn(source) -> None:
+    """Every safetensors file's header against its size (``sq.load.source.read_safetensors_header``): a
+    truncated or corrupt shard is named, not left to safetensors' raw error mid-load."""
+    from sq.load.source import read_safetensors_header
+
+    root = Path(source)
+    problems = []
+    for path in sorted(root.glob("*.safetensors")) if root.is_dir() else ():
+        try:
+            read_safetensors_header(path)
+        except (ValueError, OSError) as e:
+            problems.append(f"{path}: {e}; copy or download the file again (or rerun the sq.ptq that wrote it "
+                            "with --resume never)")
+    if problems:
+        raise SqError(problems)
+
+
+def _refuse_long_windows(source, seqlen: int) -> None:
+    """``--seqlen`` beyond the model's context (``max_position_embeddings``): refused, since such windows score
+    the model's extrapolation past what it was built for, not the model (and the quantization's effect on it)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the load names a missing or broken config
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    limit = text.get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < seqlen:
+        raise SqError(f"--seqlen {seqlen} is beyond the model's context ({limit} tokens: max_position_embeddings in "
+                      f"{Path(source) / 'config.json'}); give --seqlen {limit} or less")
+
+
+def _refuse_counts(args) -> None:
+    problems = [f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}"
+                for name, low in (("seqlen", 2), ("nwindows", 1), ("batch_size", 1), ("new_tokens", 1))
+                if getattr(args, name) < low]
+    if problems:
+        raise SqError(problems)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sq").setLevel(logging.INFO)  # e.g. "building demo:smollm2 (once)" during a long wait
     bound_cpu_kernel_caches()  # before any matmul: a MoE forward on CPU is a new shape per expert
     try:
         args = _parse(argv)
+        _refuse_counts(args)
         corpus = read_corpus(args.dataset)  # first: a bad dataset fails before the slow model load
         source = resolve_model_dist(args.model)  # a hub id: config, tokenizer, safetensors only
+        _refuse_unfinished(source)
         _refuse_unsafe(source)
         _refuse_pickle(source)
+        _refuse_torn(source)
+        _refuse_long_windows(source, args.seqlen)
         tokenizer = load_model(args.model, source, model=False)
         tokens = tokenize_corpus(tokenizer, corpus.text(tokenizer))  # chat records need the tokenizer
         windows = eval_windows(tokens, args.nwindows, args.seqlen)

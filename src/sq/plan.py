@@ -7,7 +7,9 @@ of the job builds it), and prints the job's preflights: each rank's peak memory 
 ``--host-memory`` / ``--gpu-memory`` for another), and the disk (``sq.pipeline.disk``): the checkpoint, the
 resume state, the free space where ``--output`` lives; the checkpoint bytes each rank reads and the seconds the
 job takes by phase (``sq.pipeline.timing``: this machine's rates from short probes, or another machine's as
-stated with ``--tflops`` and the bandwidths).  No process group, no weight read.
+stated with ``--tflops`` and the bandwidths).  No process group, no weight read.  Before predicting, the job's
+own refusals (``sq.pipeline.checks``, the functions ``sq.ptq`` calls): a job ``sq.ptq`` refuses at once,
+``sq.plan`` refuses with the same ``sq: error:`` lines (the calibration corpus is read for that).
 """
 
 from __future__ import annotations
@@ -25,11 +27,41 @@ __all__ = ["build_parser", "plan_job", "main"]
 DESCRIPTION = """\
 Predict what a sq.ptq job needs before launching it. Takes sq.ptq's own arguments (prefix
 the job's command line with python -m sq.plan) and the launch, reads only config.json, the index
-and the safetensors headers, and prints each rank's peak memory by part against the node's memory,
-the disk the checkpoint and the resume state will take and the free space where --output lives,
-the bytes each rank reads and the time the job takes by phase (this machine's speeds, measured by
-short probes; or a GPU's, stated with --tflops and the bandwidths); exits 2 with the job's own
-refusals when it would not fit."""
+and the safetensors headers (and, for a calibrated job, the tokenizer and the corpus), refuses what
+sq.ptq refuses at once (the same checks, the same messages), and prints each rank's peak memory by
+part against the node's memory, the disk the checkpoint and the resume state will take and the free
+space where --output lives, the bytes each rank reads and the time the job takes by phase (this
+machine's speeds, measured by short probes; or a GPU's, stated with --tflops and the bandwidths);
+exits 2 with the job's own refusals when it would not fit."""
+
+
+def _positive(unit: str):
+    """argparse ``type`` of a size or a speed: a finite number above 0 (NaN, 0, a negative or an infinite
+    one would price nothing, or everything)."""
+    import argparse
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit} above 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _count(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
 
 
 def build_parser():
@@ -39,22 +71,23 @@ def build_parser():
     p.prog = "python -m sq.plan"
     p.description = DESCRIPTION
     p.add_argument("--json", action="store_true", help="print the plan as one JSON line (for schedulers)")
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks per node, as torchrun's (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, metavar="K", help="nodes, as torchrun's (default 1)")
+    p.add_argument("--nproc-per-node", type=_count, default=1, metavar="N",
+                   help="ranks per node, as torchrun's (default 1)")
+    p.add_argument("--nnodes", type=_count, default=1, metavar="K", help="nodes, as torchrun's (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the ranks compute: cpu (host memory) or cuda (one GPU per rank; default cpu)")
-    p.add_argument("--host-memory", type=float, default=None, metavar="GIB",
+    p.add_argument("--host-memory", type=_positive("GiB"), default=None, metavar="GIB",
                    help="the memory a node has for the job (default: this machine's available memory)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+    p.add_argument("--gpu-memory", type=_positive("GiB"), default=None, metavar="GIB",
                    help="--device cuda: each GPU's memory (default: this machine's first GPU's free memory)")
-    p.add_argument("--tflops", type=float, default=None, metavar="T",
+    p.add_argument("--tflops", type=_positive("TFLOP/s"), default=None, metavar="T",
                    help="time on another machine: one rank's matmul TFLOP/s in the compute dtype (with the bandwidths "
                         "below; default: this machine's, measured)")
-    p.add_argument("--mem-bandwidth", type=float, default=2000.0, metavar="GB/S",
+    p.add_argument("--mem-bandwidth", type=_positive("GB/s"), default=2000.0, metavar="GB/S",
                    help="with --tflops: one rank's memory bandwidth (default 2000, an H100's order)")
-    p.add_argument("--read-bandwidth", type=float, default=2.0, metavar="GB/S",
+    p.add_argument("--read-bandwidth", type=_positive("GB/s"), default=2.0, metavar="GB/S",
                    help="with --tflops: one rank's checkpoint read and write bandwidth (default 2)")
-    p.add_argument("--link-bandwidth", type=float, default=100.0, metavar="GB/S",
+    p.add_argument("--link-bandwidth", type=_positive("GB/s"), default=100.0, metavar="GB/S",
                    help="with --tflops: a collective's bandwidth per rank (default 100, NVLink's order)")
     return p
 
@@ -82,9 +115,16 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     from sq.quant.algorithms import make_algorithm
     from sq.resolve import resolve_model
 
+    import dataclasses
+
+    from sq import modelfree
+    from sq.calib.data import read_corpus
+    from sq.pipeline.checks import argument_checks, calibration_data, job_problems, output_problems
+    from sq.run import raise_all
+
     if nproc_per_node < 1 or nnodes < 1:
         raise SqError(f"--nproc-per-node and --nnodes must be >= 1, got {nproc_per_node} and {nnodes}")
-    from sq import modelfree
+    raise_all(launch_problems(device=device, host_memory=host_memory, gpu_memory=gpu_memory), "launch checks")
 
     if not isinstance(resolve_model(cfg.model), Path):  # (before anything could download it)
         raise SqError(f"sq.plan reads a local checkpoint folder or demo:NAME; {cfg.model!r} is not one "
@@ -99,15 +139,22 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
                                where=None if host_memory is None else "--host-memory", rates=rates,
                                started=time.perf_counter() - (t0 if t0 is not None else time.perf_counter()))
     world = nproc_per_node * nnodes
-    assigner = cfg.assigner()
+    # the job's own refusals, by the functions the job calls (sq.pipeline.checks), in the job's order
+    assigner = argument_checks(cfg)
     src = resolve_model(cfg.model)
     model = build_skeleton(src, trust_remote_code=cfg.trust_remote_code)
     load = plan_load(model, src, trust_remote_code=cfg.trust_remote_code)
+    algo = make_algorithm(cfg.algo)
+    if cfg.ep is None:
+        cfg = dataclasses.replace(cfg, ep=auto_ep(model, world, algo))
+    ep = cfg.ep
+    calibration_data(cfg, src, model, assigner, read=read_corpus)  # a corpus too short is refused
     targets = plan_targets(model, assigner, CheckpointWeights(model, load, src, torch.device("cpu")), world)
     weight_dtype = main_dtype(targets.blocks[0][1]) if targets.blocks else None
-    algo = make_algorithm(cfg.algo)
-    ep = cfg.ep if cfg.ep is not None else auto_ep(model, world, algo)
     calibrated = cfg.needs_data(assigner)
+    raise_all(job_problems(cfg, model, assigner, algo, targets, world=world, in_memory=False,
+                           weight_dtype=weight_dtype, calibrated=calibrated, src=src)
+              + output_problems(Path(cfg.output), cfg.resume), "model and output checks")
     # the calibration dtype: as the job chooses it (sq.probe: measured on a CPU, with the threads torchrun gives each
     # of a node's ranks; the same cache), the model's on a GPU
     threads = torch.get_num_threads()
@@ -170,6 +217,19 @@ def plan_job(cfg, *, nproc_per_node: int = 1, nnodes: int = 1, device: str = "cp
     return plan, mem_problems + problems
 
 
+def launch_problems(*, device: str, host_memory: float | None, gpu_memory: float | None) -> list[str]:
+    """The launch flags against each other and this machine: a GPU's memory is stated for a GPU job only, and
+    one is stated where this machine has no GPU to measure (else the plan would price an unknown memory)."""
+    out = []
+    if gpu_memory is not None and device != "cuda":
+        out.append("--gpu-memory is each GPU's memory, for --device cuda; a CPU job's ranks use host memory: "
+                   "state it with --host-memory GIB (or plan with --device cuda)")
+    if device == "cuda" and gpu_memory is None and not torch.cuda.is_available():
+        out.append("--device cuda: this machine has no GPU to measure; state each GPU's memory with --gpu-memory GIB "
+                   "(and its speeds with --tflops and the bandwidths for the time)")
+    return out
+
+
 def _calib_dtype(cfg, targets, algo, weight_dtype, device: str, calibrated: bool):
     """(the chain's dtype, the forwards' matmul dtype) as the job will choose them (``sq.probe``)."""
     from sq.probe import calib_dtype_choice
@@ -180,6 +240,19 @@ def _calib_dtype(cfg, targets, algo, weight_dtype, device: str, calibrated: bool
                                 half=algo.half_forwards)
     chain = choice.dtype or weight_dtype
     return chain, choice.autocast or chain
+
+
+def _nonfinite(value, path: str = "") -> list[str]:
+    """The keys (dotted) of ``value``'s floats that are NaN or infinite."""
+    import math
+
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [path or "value"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _nonfinite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _nonfinite(v, f"{path}[{i}]")]
+    return []
 
 
 def _print(plan: dict) -> None:
@@ -261,7 +334,12 @@ def main(argv=None) -> int:
         plan, problems = plan_job(config_from(a), nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, device=a.device,
                                   host_memory=a.host_memory, gpu_memory=a.gpu_memory, rates=rates, t0=t0,
                                   model_free=a.model_free)
-        print(json.dumps(plan)) if a.json else _print(plan)
+        odd = _nonfinite(plan)
+        if odd:  # stated speeds at the edge of what a float holds: say so instead of printing inf / NaN
+            raise SqError(f"the plan's {', '.join(odd[:3])} came out non-finite: the stated --tflops / "
+                          "--mem-bandwidth / --read-bandwidth / --link-bandwidth / memory are beyond what it can "
+                          "price; state a real machine's")
+        print(json.dumps(plan, allow_nan=False)) if a.json else _print(plan)  # strict JSON: no NaN / Infinity
         if problems:
             raise SqError(problems)
 

@@ -8,6 +8,7 @@ nothing is unpickled.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
@@ -450,6 +451,7 @@ def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
 
     tensors: dict[str, TensorInfo] = {}
     unread: set[str] = set()
+    unlisted: list[str] = []  # tensors a listed file holds that the index does not name
     targets = {n: (root / n).resolve() for n in files if (root / n).is_symlink()}  # checked above
     for name in files:
         try:
@@ -464,11 +466,19 @@ def scan_checkpoint(root: str | os.PathLike) -> CheckpointSource:
             if key in tensors:
                 problems.append(f"tensor {_short(key, 200)} is stored twice: in {tensors[key].file} and {name}")
                 continue
-            if weight_map and weight_map.get(key) != name:
+            if weight_map and key not in weight_map:
+                # a listed file holds a tensor the index forgot: transformers loads it from there (it reads
+                # the listed files whole), and so does sq: the file's header says where it is
+                unlisted.append(f"{key} ({name})")
+            elif weight_map and weight_map.get(key) != name:
                 problems.append(f"tensor {_short(key, 200)} is in {name} but {INDEX_NAME} puts it in "
                                 f"{_short(weight_map.get(key), 200)}")
             tensors[key] = TensorInfo(key, name, ST_DTYPES[info["dtype"]], tuple(info["shape"]),
                                       tuple(info["data_offsets"]))
+    if unlisted:
+        logging.getLogger(__name__).warning(
+            "%s does not list %d tensor(s) its listed files hold (read from those files, as transformers does): %s",
+            INDEX_NAME, len(unlisted), ", ".join(unlisted[:3]) + (" ..." if len(unlisted) > 3 else ""))
     for key, name in weight_map.items():
         if key not in tensors and name in files and name not in unread:
             problems.append(f"{INDEX_NAME} lists {_short(key, 200)} in {name} but that file does not hold it")

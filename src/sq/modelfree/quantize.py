@@ -252,11 +252,15 @@ def wanted(cfg, model_free: bool) -> bool:
     return False
 
 
-def _prepare(cfg):
-    """Every refusal, identical on every rank, before anything is written: (plan, reader, source, assigner)."""
+def _prepare(cfg, world: int):
+    """Every refusal, identical on every rank, before anything is written: (plan, reader, source, assigner).
+    ``world``: the job's ranks (``sq.plan`` states them)."""
+    from sq.pipeline.targets import ep_problems
     from sq.resolve import resolve_model_dist
 
     problems = list(cfg.problems())
+    # nothing is expert-parallel here, but an --ep the model path would refuse is a typo: refused the same way
+    problems += ep_problems(cfg.ep, world)
     assigner = None
     try:
         assigner = cfg.assigner()
@@ -311,7 +315,7 @@ def quantize_checkpoint(cfg) -> dict:
     built.  Runs inside an initialized process group; the report on rank 0, ``{}`` elsewhere."""
     t_start = time.perf_counter()
     agree(argument_facts(cfg), "arguments")  # before any collective the arguments decide
-    plan, reader, source, assigner = _prepare(cfg)
+    plan, reader, source, assigner = _prepare(cfg, dist.get_world_size())
     try:
         return _run(cfg, plan, reader, source, assigner, t_start)
     finally:
@@ -445,7 +449,10 @@ def plan_model_free(cfg, *, nproc_per_node: int, nnodes: int, available: int | N
     (``quantize_checkpoint``), its memory and disk checks, and its reads and seconds (``rates``: stated; None:
     this machine's)."""
     world = nproc_per_node * nnodes
-    plan, reader, source, _ = _prepare(cfg)
+    plan, reader, source, _ = _prepare(cfg, world)
+    from sq.pipeline.checks import output_problems
+
+    raise_all(output_problems(cfg.output, cfg.resume), "output folder checks")
     try:
         owner, split = split_by_bytes(plan.units, world)
         problems, p = _predictions(cfg, plan, reader, source, owner, split, world, started, rates=rates, rank=0,

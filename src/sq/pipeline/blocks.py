@@ -61,12 +61,13 @@ from sq.quant.recipe import Assigner, scheme_tag
 from sq.report import block_progress, summary_lines, write_report_png
 from sq.probe import (Choice, attention_backward_choice, attention_chunk_choice, calib_dtype_choice,
                       hessian_products_choice, machine)
-from sq.pipeline.targets import Targets, config_groups, model_problems, nonfinite, nonfinite_refusal, plan_targets
+from sq.pipeline.checks import job_problems
+from sq.pipeline.targets import Targets, config_groups, nonfinite, nonfinite_refusal, plan_targets
 from sq.run import Run, signature, versions
-from sq.pipeline.search import apply_search, cost_dtype, search_problems
-from sq.pipeline.rotation import Rotation, rotation_problems
-from sq.quant.served import ServedActivations, served_activations_problems
-from sq.quant.smooth import smooth_block, smooth_problems
+from sq.pipeline.search import apply_search
+from sq.pipeline.rotation import Rotation
+from sq.quant.served import ServedActivations
+from sq.quant.smooth import smooth_block
 from sq.pipeline.disk import written_bytes
 from sq.pipeline.preflight import disk_preflight, memory_preflight, time_preflight
 
@@ -115,6 +116,7 @@ class _Pipeline:
         self.choice: Choice | None = None
         self.hessian: dict = {}  # GPTQ's Hessian products: how and why (the report's speed.hessian)
         self.stats = _Stats()
+        self._raw_nonfinite: list[tuple[torch.Tensor, torch.Tensor]] = []  # --skip-nonfinite: (weight, stored values)
         self.inputs, self.fp_inputs, self.steps, self.dummy = [], [], 0, None
         self.search_report: dict | None = None  # --target-bits (sq.pipeline.search), when it ran in this process
         # --rotate (sq.pipeline.rotation): fused into each block right after it is filled
@@ -130,14 +132,9 @@ class _Pipeline:
     def claim(self) -> bool:
         """Refusals, then the output folder; False when the folder is already complete."""
         cfg = self.cfg
-        problems = model_problems(self.model, cfg, self.assigner, self.algo, self.targets, self.calibrated)
-        problems += search_problems(cfg, self.model, self.algo, self.targets, self.world, cost_dtype(self.weight_dtype))
-        problems += rotation_problems(cfg, self.weights.in_memory, self.model)
-        problems += served_activations_problems(cfg, self.targets)
-        problems += smooth_problems(cfg, self.targets.blocks)
-        if cfg.calib_dtype == "mixed" and self.algo.half_forwards != "mixed":
-            problems.append(f"--calib-dtype mixed is SignRound's (its tuning autocasts); --algo {cfg.algo.name} "
-                            "computes in float32 or the model's dtype (--calib-dtype float32 / model / auto)")
+        problems = job_problems(cfg, self.model, self.assigner, self.algo, self.targets, world=self.world,
+                                in_memory=self.weights.in_memory, weight_dtype=self.weight_dtype,
+                                calibrated=self.calibrated, src=getattr(self.weights, "src", None))
         # the choices an earlier run in this folder recorded (its signature's args): one read, one collective
         args = ((self.run.recorded_signature() or {}).get("args") or {}
                 if self.calibrated and cfg.resume != "never" else {})
@@ -153,7 +150,6 @@ class _Pipeline:
             sig["args"]["hessian_products"] = "bf16" if bf16 else "float32"
             self.hessian = {"products": "bf16" if bf16 else "float32", **why} if why else {}
             use_bf16_products(bf16)  # this job's Hessians (and the time preflight's measure of them)
-        problems += writer.output_path_problems(self.out, getattr(self.weights, "src", None))
         if cfg.preflight and not problems:  # a job refused already is not sized (its schemes may not apply)
             for check, part in ((memory_preflight, "memory"), (disk_preflight, "disk")):
                 found, facts = check(self)
@@ -254,6 +250,11 @@ class _Pipeline:
             work.acts, observed_out = self._observe_activations(work)
             phase["observe"] = time.perf_counter() - t
             t = time.perf_counter()
+        if (observed_out is None and self.calibrated and not self.algo.calibrated
+                and b + 1 < len(self.targets.blocks)):
+            # data read for --smooth alone (RTN, a scheme with dynamic activations: nothing observed): the next
+            # block's inputs are this block's full-precision outputs, as RTN's observed forward gives them
+            observed_out = block_forward(block, self.inputs, self.steps, self.dummy, autocast=self.autocast)
         if self.algo.fp_chain and not self.algo.pairs_chains:  # the full-precision outputs: the algorithm's targets
             work.fp_out = block_forward(block, self.fp_inputs, self.steps, self.dummy, autocast=self.autocast)
         if self.algo.calibrated:
@@ -269,6 +270,7 @@ class _Pipeline:
         if self.calibrated and b + 1 < len(self.targets.blocks):
             self._propagate(work, observed_out)
             phase["forward"] = time.perf_counter() - t
+        self._restore_nonfinite()
         t = time.perf_counter()
         wait = self._write(work, names, results, expert_q, bad)
         phase["write"] = time.perf_counter() - t - wait
@@ -296,7 +298,19 @@ class _Pipeline:
                 raise SqError(refused)
             logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
             self.targets.linears[b] = [l for l in linears if l.name not in bad]
+            if self.calibrated:  # the forwards read the non-finite entries as 0; the checkpoint gets them as stored
+                self._raw_nonfinite = [(w, w.clone()) for w in (local_box(l.module.weight)[0]
+                                                                  for l in linears if l.name in bad)]
+                for w, _ in self._raw_nonfinite:
+                    torch.nan_to_num_(w, nan=0.0, posinf=0.0, neginf=0.0)
         return bad
+
+    def _restore_nonfinite(self) -> None:
+        """The skipped Linears' stored values back (NaN/Inf included) before the block is written: they were
+        read as 0 by the calibration forwards only, so the Linears after them calibrate on finite inputs."""
+        for w, raw in self._raw_nonfinite:
+            w.copy_(raw)
+        self._raw_nonfinite = []
 
     def _reduce(self, work: BlockWork) -> None:
         """Statistics a format reads across a weight's rows (NVFP4's global absmax, FP8's per-tensor or

@@ -174,8 +174,9 @@ def search_problems(cfg, model, algo, targets, world: int, dtype: torch.dtype) -
     out = []
     if cfg.target_bits is None:
         return out
-    if not (0 < cfg.target_bits < 64):
-        out.append(f"--target-bits must be a number of bits per weight, got {cfg.target_bits}")
+    if not (0 < cfg.target_bits < 64):  # (NaN fails too)
+        out.append(f"--target-bits must be the stored bits per weight, a number above 0 and below 64 (codes, scales "
+                   f"and zero points: W4A16 stores about 4.1 at group size 128), got {cfg.target_bits:g}")
     if len(cfg.candidates) < 2:
         out.append(f"--candidates: give at least two schemes to choose from, got {list(cfg.candidates)}")
     for c in cfg.candidates:

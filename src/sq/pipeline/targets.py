@@ -25,7 +25,8 @@ from sq.quant.work import ExpertGroup, Linear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Targets", "plan_targets", "model_problems", "nonfinite", "nonfinite_refusal", "config_groups", "auto_ep"]
+__all__ = ["Targets", "plan_targets", "model_problems", "ep_problems", "nonfinite",
+           "nonfinite_refusal", "config_groups", "auto_ep"]
 
 
 @dataclass
@@ -72,12 +73,13 @@ def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> T
 
 
 
-def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets, calibrated: bool) -> list[str]:
-    """Refusals that depend on the model (identical on every rank): group sizes, EP split, the algorithm's own."""
+def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Targets, calibrated: bool,
+                   world: int | None = None) -> list[str]:
+    """Refusals that depend on the model (identical on every rank): group sizes, EP split, the algorithm's own.
+    ``world``: the job's world size (None: this process group's; ``sq.plan`` states the launch's)."""
     problems = []
-    world = dist.get_world_size()
-    if world % cfg.ep:
-        problems.append(f"--ep {cfg.ep} does not divide the world size {world}")
+    world = dist.get_world_size() if world is None else world
+    problems += ep_problems(cfg.ep, world)
     for (prefix, block), lins in zip(targets.blocks, targets.linears):
         for n, ex in experts_modules(block):
             e, hidden, inter = ex._parameters["down_proj"].shape
@@ -110,6 +112,15 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
     # matched none of them (nor a Linear sq keeps in full precision) is a typo
     problems += assigner.unmatched_problems(targets.unquantized, allow=cfg.allow_unmatched)
     return problems
+
+
+def ep_problems(ep: int | None, world: int) -> list[str]:
+    """``--ep`` against the world size (the ranks: torchrun's --nproc-per-node x --nnodes); None is auto."""
+    if ep is None or ep <= 0 or world % ep == 0:
+        return []  # (a non-positive --ep is refused among the argument checks)
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [f"--ep {ep} does not divide the world size {world} (the ranks: --nproc-per-node x --nnodes); "
+            f"give one of {', '.join(map(str, divisors))}, or --ep auto"]
 
 
 def row_shard_problems(targets: Targets) -> list[str]:

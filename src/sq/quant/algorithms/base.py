@@ -233,7 +233,7 @@ def algo_config(name: str, **settings) -> AlgoConfig:
     if unknown:
         have = ", ".join(sorted(fields)) or "none"
         raise SqError(f"--algo {name} has no setting {', '.join(unknown)} (its settings: {have})")
-    return cls(**{k: v for k, v in settings.items() if k in fields and v is not None})
+    return _build(cls, {k: v for k, v in settings.items() if k in fields and v is not None}, flags=False)
 
 
 def _flag(name: str) -> str:
@@ -290,4 +290,19 @@ def config_from_namespace(name: str, ns: argparse.Namespace) -> AlgoConfig:
             settings[f.name] = choices[v] if choices else v
     if problems:
         raise SqError(sorted(set(problems)))
-    return cls(**settings)
+    return _build(cls, settings, flags=True)
+
+
+def _build(cls, settings: dict, *, flags: bool) -> AlgoConfig:
+    """``cls(**settings)``; a value its checks refuse (``ValueError``) becomes an ``SqError`` naming the setting
+    as the user spelled it: the flag (``--gptaq-alpha``) on the command line, the keyword in the Python API."""
+    try:
+        return cls(**settings)
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        if flags:
+            for name in sorted(settings, key=len, reverse=True):
+                if text.startswith(name):
+                    text = _flag(name) + text[len(name):]
+                    break
+        raise SqError(f"--algo {cls.name}: {text}") from None

@@ -62,7 +62,7 @@ class GPTQAlgorithm(Algorithm):
                     s = assigner.assign(f"{prefix}.{n}")
                     if s is not None and not s.row_local:
                         bad.add((s.name, scheme_tag(s), s.strategy))
-        return [f"--algo gptq solves per-channel and per-group schemes (integer, FP8 per channel, NVFP4, MXFP4, "
+        return [f"--algo {self.config.name} solves per-channel and per-group schemes (integer, FP8 per channel, NVFP4, MXFP4, "
                 f"MXFP8); scheme {n} ({t}) has {'per-tensor' if st == 'tensor' else '2-D block'} scales, which "
                 "it does not support (use --algo rtn for it)" for n, t, st in sorted(bad)]
 
