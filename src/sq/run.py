@@ -115,6 +115,27 @@ def output_verdict(out: Path, sig: dict, resume: str, state: RunState) -> dict:
     return verdict("fresh")
 
 
+def output_problems(out: Path, resume: str) -> list[str]:
+    """What ``--output`` holds, refused as the job refuses it where that does not need the run's signature
+    (``sq.run.output_verdict``): an unreadable run record, ``--resume require`` with nothing to resume, a
+    folder holding files sq did not write.  A folder holding an unfinished run or a finished output is planned
+    as the job would continue it (whether its settings match is decided by the job, which computes them)."""
+    out = Path(out)
+    if not out.is_dir():
+        return [f"--resume require: {out} holds no run to resume"] if resume == "require" else []
+    try:
+        unfinished = RunState(out, rank=0).read_signature()
+    except SqError as e:
+        return [] if resume == "never" else e.problems
+    if unfinished is not None:
+        return []
+    if resume == "require":
+        return [f"--resume require: {out} holds no run to resume"]
+    if writer.finished_signature(out) is not None:
+        return []
+    return writer.output_dir_problems(out)
+
+
 def claim_output(out: Path, sig: dict, resume: str, state: RunState, rank: int) -> str:
     """Decide on rank 0, refuse together, then take the folder (lock first, then clear, then sign).
     Returns the action; ``complete`` means there is nothing to do."""

@@ -62,7 +62,7 @@ from sq.report import block_progress, summary_lines, write_report_png
 from sq.probe import (Choice, attention_backward_choice, attention_chunk_choice, calib_dtype_choice,
                       hessian_products_choice, machine)
 from sq.pipeline.checks import job_problems
-from sq.pipeline.targets import Targets, config_groups, nonfinite, nonfinite_refusal, plan_targets
+from sq.pipeline.targets import Targets, check_finite, config_groups, plan_targets, restore_nonfinite
 from sq.run import Run, signature, versions
 from sq.pipeline.search import apply_search
 from sq.pipeline.rotation import Rotation
@@ -270,7 +270,7 @@ class _Pipeline:
         if self.calibrated and b + 1 < len(self.targets.blocks):
             self._propagate(work, observed_out)
             phase["forward"] = time.perf_counter() - t
-        self._restore_nonfinite()
+        restore_nonfinite(self._raw_nonfinite)
         t = time.perf_counter()
         wait = self._write(work, names, results, expert_q, bad)
         phase["write"] = time.perf_counter() - t - wait
@@ -290,27 +290,9 @@ class _Pipeline:
         self.progress.step(b, total)
 
     def _check_finite(self, b: int) -> list[str]:
-        linears, experts = self.targets.linears[b], self.targets.experts[b]
-        bad = nonfinite(linears, experts, self.device)
-        if bad:  # every rank has the same list: they refuse together, or skip the same Linears
-            refused = nonfinite_refusal(bad, linears, self.weights, self.cfg.skip_nonfinite)
-            if refused:
-                raise SqError(refused)
-            logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
-            self.targets.linears[b] = [l for l in linears if l.name not in bad]
-            if self.calibrated:  # the forwards read the non-finite entries as 0; the checkpoint gets them as stored
-                self._raw_nonfinite = [(w, w.clone()) for w in (local_box(l.module.weight)[0]
-                                                                  for l in linears if l.name in bad)]
-                for w, _ in self._raw_nonfinite:
-                    torch.nan_to_num_(w, nan=0.0, posinf=0.0, neginf=0.0)
+        bad, self._raw_nonfinite = check_finite(self.targets, b, self.device, self.weights, self.cfg.skip_nonfinite,
+                                                self.calibrated)
         return bad
-
-    def _restore_nonfinite(self) -> None:
-        """The skipped Linears' stored values back (NaN/Inf included) before the block is written: they were
-        read as 0 by the calibration forwards only, so the Linears after them calibrate on finite inputs."""
-        for w, raw in self._raw_nonfinite:
-            w.copy_(raw)
-        self._raw_nonfinite = []
 
     def _reduce(self, work: BlockWork) -> None:
         """Statistics a format reads across a weight's rows (NVFP4's global absmax, FP8's per-tensor or

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from sq.errors import SqError
+from sq.run import output_problems  # the lifecycle's (sq.run): what --output holds
 
 __all__ = ["argument_checks", "job_problems", "calibration_data", "output_problems"]
 
@@ -72,25 +73,3 @@ def calibration_data(cfg, src, model, assigner, *, read: Callable | None = None)
     return text, calibration_windows(tokenize_corpus(tokenizer, text, need=need), cfg.nsamples, cfg.seqlen)
 
 
-def output_problems(out: Path, resume: str) -> list[str]:
-    """What ``--output`` holds, refused as the job refuses it where that does not need the run's signature
-    (``sq.run.output_verdict``): an unreadable run record, ``--resume require`` with nothing to resume, a
-    folder holding files sq did not write.  A folder holding an unfinished run or a finished output is planned
-    as the job would continue it (whether its settings match is decided by the job, which computes them)."""
-    from sq.export import writer
-    from sq.resume import RunState
-
-    out = Path(out)
-    if not out.is_dir():
-        return [f"--resume require: {out} holds no run to resume"] if resume == "require" else []
-    try:
-        unfinished = RunState(out, rank=0).read_signature()
-    except SqError as e:
-        return [] if resume == "never" else e.problems
-    if unfinished is not None:
-        return []
-    if resume == "require":
-        return [f"--resume require: {out} holds no run to resume"]
-    if writer.finished_signature(out) is not None:
-        return []
-    return writer.output_dir_problems(out)

@@ -203,3 +203,31 @@ def auto_ep(model, world: int, algo) -> int:
         logger.info("--ep auto: %s experts do not split evenly over %d ranks; --ep %d",
                     "/".join(map(str, counts)), world, ep)
     return ep
+
+
+def check_finite(targets: Targets, b: int, device, weights, skip: bool, calibrated: bool) -> tuple[list[str], list]:
+    """Block ``b``'s Linears holding NaN/Inf: refused (the same list on every rank: they refuse together), or
+    under ``--skip-nonfinite`` dropped from ``targets`` and, in a calibrated job, read as 0 by the calibration
+    forwards (so the Linears after them calibrate on finite inputs): returns them and ``(weight, stored)``
+    pairs for :func:`restore_nonfinite`, which puts the stored values back before the block is written."""
+    linears, experts = targets.linears[b], targets.experts[b]
+    bad = nonfinite(linears, experts, device)
+    if not bad:
+        return bad, []
+    refused = nonfinite_refusal(bad, linears, weights, skip)
+    if refused:
+        raise SqError(refused)
+    logger.warning("block %d: %s hold NaN/Inf values; left unquantized (--skip-nonfinite)", b, ", ".join(bad))
+    targets.linears[b] = [lin for lin in linears if lin.name not in bad]
+    saved = [(w, w.clone()) for w in (local_box(lin.module.weight)[0] for lin in linears if lin.name in bad)] \
+        if calibrated else []
+    for w, _ in saved:
+        torch.nan_to_num_(w, nan=0.0, posinf=0.0, neginf=0.0)
+    return bad, saved
+
+
+def restore_nonfinite(saved: list) -> None:
+    """The skipped Linears' stored values back (NaN/Inf included): :func:`check_finite`'s pairs, emptied."""
+    for w, raw in saved:
+        w.copy_(raw)
+    saved.clear()
