@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import EXPERT_PARAMS
+from sq.anatomy import EXPERT_PARAMS, carried_experts
 from sq.dist import rank_device
 from sq.errors import SqError
 from sq.export import writer
@@ -54,7 +54,7 @@ from sq.quant.attention import attention_shape, use_sdpa
 from sq.quant.algorithms import make_algorithm
 from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import (SlotStats, experts_report, export_experts, export_slots, is_ep_param, segment_rows, slot_rows,
-                               take_solved)
+                               take_solved, unquantized_experts_report)
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.gptq import use_bf16_products
 from sq.quant.recipe import Assigner, scheme_tag
@@ -529,6 +529,8 @@ class _Pipeline:
                                          cfg.calibrate_all_experts)} if self.stats.expert_tokens else {}),
             "resumed_from_block": start,
             "skipped_nonfinite": self.run.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
+            # routed experts written in full precision (--allow-unquantized-experts; refused without it)
+            "unquantized_experts": unquantized_experts_report(carried_experts(self.model)),
         }
         if self.choice is not None or self.hessian:
             report["speed"] = {**(self.choice.to_dict() if self.choice is not None else {}),

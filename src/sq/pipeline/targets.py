@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules, quantized_layout_problems, routers
+from sq.anatomy import (EXPERT_PARAMS, carried_experts, decoder_blocks, experts_modules, quantized_layout_problems,
+                        routers)
 from sq.errors import SqError
 from sq.formats import specs
 from sq.formats.schemes import QuantScheme, check_group_size
@@ -18,7 +19,7 @@ from sq.load.fill import local_box
 from sq.quant import rtn
 from sq.quant.activations import kv_cache_problems
 from sq.quant.algorithms import Algorithm
-from sq.quant.experts import export_slots
+from sq.quant.experts import export_slots, unquantized_experts_problems
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.quant.work import ExpertGroup, Linear
 
@@ -95,6 +96,7 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
             except SqError as e:
                 problems += e.problems
     problems += quantized_layout_problems(model)
+    problems += model_experts_problems(model, cfg.allow_unquantized_experts)
     problems += row_shard_problems(targets)
     problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
     problems += algo.refusals(model, assigner, world, cfg.ep)
@@ -106,6 +108,24 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
     # plan_targets asked the assigner about every module it may quantize: a user pattern that
     # matched none of them (nor a Linear sq keeps in full precision) is a typo
     problems += assigner.unmatched_problems(targets.unquantized, allow=cfg.allow_unmatched)
+    return problems
+
+
+# the carried layouts model-free quantizes per expert (sq.load.layout._linear_slabs)
+_MODEL_FREE_QUANTIZES = ("up/down-only experts", "zero-compute or identity experts")
+
+
+def model_experts_problems(model: nn.Module, allow: bool) -> list[str]:
+    """The refusal for routed experts the model path would carry in full precision, one line per cause
+    (``--allow-unquantized-experts``: none; they are logged, and the report and summary name them)."""
+    by_reason: dict[str, list[tuple[str, str]]] = {}
+    for name, why in carried_experts(model):
+        by_reason.setdefault(why, []).append((name, why))
+    problems = []
+    for why, carried in by_reason.items():
+        hint = ("; or quantize them model-free (--model-free --algo rtn), which quantizes these experts per expert"
+                if any(k in why for k in _MODEL_FREE_QUANTIZES) else "")
+        problems += unquantized_experts_problems(carried, allow, hint)
     return problems
 
 

@@ -16,6 +16,7 @@ no token falls back to RTN and is counted.
 
 from __future__ import annotations
 
+import logging
 import types
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from sq.formats.compressed import compress_weight
 from sq.formats.specs import ActivationObserver
 from sq.quant import rtn
 from sq.quant.gptq import GPTQ
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -327,3 +330,31 @@ def experts_report(tokens: dict[str, dict[int, tuple[int, int]]], rtn_names: lis
         modules[eprefix] = {"routed": [per.get(e, (0, 0))[0] for e in range(n)],
                             "calibrated": [per.get(e, (0, 0))[1] for e in range(n)]}
     return {"policy": policy, "rtn": rtn_names, "tokens": modules}
+
+
+ALLOW_UNQUANTIZED_EXPERTS = "--allow-unquantized-experts"
+
+
+def unquantized_experts_problems(carried: list[tuple[str, str]], allow: bool, hint: str = "") -> list[str]:
+    """The refusal for routed experts sq would write in full precision (``carried``: ``(module, why)``, as
+    ``sq.anatomy.carried_experts`` gives them), one line per cause; [] under ``allow``
+    (``--allow-unquantized-experts``: logged, and the report and summary name them).  Routed experts hold most of
+    an MoE's weights: a "W4A16" output with them in bf16 is not what the user asked for.  ``hint``: what else
+    the caller's path offers, appended to each line."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in carried:
+        by_reason.setdefault(why, []).append(name)
+    if allow:
+        for why, names in by_reason.items():
+            logger.warning("routed experts left unquantized (%s): %d module(s), e.g. %s: %s", ALLOW_UNQUANTIZED_EXPERTS,
+                           len(names), names[0], why)
+        return []
+    return [f"routed experts sq cannot quantize: {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} "
+            f"({why}); they would be written in full precision beside quantized Linears. Pass "
+            f"{ALLOW_UNQUANTIZED_EXPERTS} (sq.quantize: allow_unquantized_experts=True) to write them so{hint}"
+            for why, names in by_reason.items()]
+
+
+def unquantized_experts_report(carried: list[tuple[str, str]]) -> list[dict]:
+    """``sq_report.json``'s ``unquantized_experts``: every routed-experts module written in full precision."""
+    return [{"module": name, "reason": why} for name, why in carried]

@@ -12,6 +12,7 @@ dequantized value from the output.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,10 +43,28 @@ class ZooEntry:
     family: str  # dense | moe | hybrid | vlm
     overrides: dict = field(default_factory=dict)
     moe: bool = False  # routed experts (run with --ep 2)
+    # why sq's model path leaves this type's routed experts unquantized (its runs pass
+    # --allow-unquantized-experts, and check_output accepts full-precision experts); None: every routed expert
+    # weight of the output must be quantized
+    carried_experts: str | None = None
+    model_free_experts: bool = False  # model-free quantizes the experts the model path carries
+
+    def allow_carried(self, model_free: bool) -> bool:
+        """Whether a run (model-free or not) of this type writes full-precision routed experts."""
+        return self.carried_experts is not None and not (model_free and self.model_free_experts)
 
 
-def _e(model_type: str, family: str, *, moe: bool | None = None, **overrides) -> ZooEntry:
-    return ZooEntry(model_type, family, overrides, family == "moe" if moe is None else moe)
+def _e(model_type: str, family: str, *, moe: bool | None = None, carried_experts: str | None = None,
+       model_free_experts: bool = False, **overrides) -> ZooEntry:
+    return ZooEntry(model_type, family, overrides, family == "moe" if moe is None else moe, carried_experts,
+                    model_free_experts)
+
+
+# why the model path carries a type's routed experts (ZooEntry.carried_experts)
+_TRANSPOSED = "stored [E, in, out] (gpt-oss, Llama 4): no layout transformers loads back quantized from the model path"
+_NO_MAPPING = "transformers has no per-expert conversion mapping for them"
+_UP_DOWN = "up/down-only experts: the model path's expert machinery is gate/up/down (model-free quantizes them)"
+_ZERO = "zero-compute slots beside the experts: the model path's EP split needs equal slots (model-free quantizes them)"
 
 
 _MLA = dict(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32)
@@ -72,11 +91,12 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("deepseek_v3", "moe", **_MLA),
     _e("deepseek_v32", "moe", **_MLA, index_head_dim=16, index_n_heads=2, index_topk=8,
        mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2),
-    _e("deepseek_v4", "moe", o_lora_rank=16), _e("gpt_oss", "moe"),
-    _e("llama4_text", "moe"), _e("phimoe", "moe"), _e("granitemoe", "moe"), _e("granitemoeshared", "moe"),
+    _e("deepseek_v4", "moe", o_lora_rank=16), _e("gpt_oss", "moe", carried_experts=_TRANSPOSED),
+    _e("llama4_text", "moe", carried_experts=_TRANSPOSED), _e("phimoe", "moe"),
+    _e("granitemoe", "moe", carried_experts=_NO_MAPPING), _e("granitemoeshared", "moe", carried_experts=_NO_MAPPING),
     _e("olmoe", "moe"), _e("ernie4_5_moe", "moe"), _e("glm4_moe", "moe"), _e("dots1", "moe"),
     _e("hunyuan_v1_moe", "moe"),
-    _e("longcat_flash", "moe", **_MLA, num_layers=2, expert_ffn_hidden_size=48, zero_expert_num=2, moe_topk=2),
+    _e("longcat_flash", "moe", **_MLA, carried_experts=_ZERO, model_free_experts=True, num_layers=2, expert_ffn_hidden_size=48, zero_expert_num=2, moe_topk=2),
     _e("minimax", "moe", layer_types=["linear_attention", "full_attention"]), _e("flex_olmo", "moe"),
     _e("lfm2_moe", "moe", num_dense_layers=1, layer_types=["conv", "full_attention"]),
     _e("exaone_moe", "moe"), _e("qwen3_5_moe_text", "moe", **_LINEAR),
@@ -85,16 +105,16 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("kimi_linear", "hybrid", **_MLA, linear_head_dim=16, linear_num_heads=4, num_experts_per_token=2,
        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]),
     _e("falcon_h1", "hybrid", **_MAMBA, mamba_d_ssm=128),
-    _e("nemotron_h", "hybrid", layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=8,
+    _e("nemotron_h", "hybrid", carried_experts=_UP_DOWN, model_free_experts=True, layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=8,
        mamba_head_dim=16, ssm_state_size=16, n_groups=1, moe_shared_expert_intermediate_size=48, chunk_size=16),
     _e("jamba", "hybrid", attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
        mamba_dt_rank=16, mamba_d_state=16),
     _e("lfm2", "hybrid", layer_types=["conv", "full_attention"]),
     _e("bamba", "hybrid", **_MAMBA, attn_layer_indices=[1]),
-    _e("granitemoehybrid", "hybrid", **_MAMBA, layer_types=["mamba", "attention"]),
+    _e("granitemoehybrid", "hybrid", carried_experts=_NO_MAPPING, **_MAMBA, layer_types=["mamba", "attention"]),
     # vision-language: overrides go to text_config; the vision tower is tiny (_VISION)
-    _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm", rope_parameters=_MROPE), _e("qwen3_vl", "vlm"), _e("qwen3_vl_moe", "vlm", moe=True),
-    _e("qwen3_5", "vlm", **_LINEAR), _e("llama4", "vlm", moe=True), _e("mistral3", "vlm"), _e("llava", "vlm"),
+    _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm", rope_parameters=_MROPE), _e("qwen3_vl", "vlm"), _e("qwen3_vl_moe", "vlm", moe=True, carried_experts=_NO_MAPPING),
+    _e("qwen3_5", "vlm", **_LINEAR), _e("llama4", "vlm", moe=True, carried_experts=_TRANSPOSED), _e("mistral3", "vlm"), _e("llava", "vlm"),
     _e("idefics3", "vlm"),
 ]}
 
@@ -275,12 +295,32 @@ def _both_logits(ref_dir: Path, out: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return _logits(ref_model, vocab), _logits(model, vocab)
 
 
-def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float = 0.35) -> dict:
+_PER_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
+
+
+def routed_expert_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names among ``tensors`` (a checkpoint's, or an output's) that hold a routed expert's weight in full
+    precision: per-expert ``*.experts.{e}.{leaf}.weight`` (2-D), or a fused ``[E, rows, cols]`` tensor (every
+    dimension above 1: not a convolution's ``[C, 1, K]`` kernel nor a ``[1, 1, H]`` probe) outside the vision
+    tower.  A quantized expert is ``weight_packed`` / ``weight_scale`` ..., never a plain ``weight``."""
+    found = []
+    for name, t in tensors.items():
+        if any(part in _VISION_PARTS for part in name.split(".")):
+            continue
+        if (t.dim() == 2 and _PER_EXPERT_WEIGHT.search(name)) or (t.dim() == 3 and min(t.shape) > 1):
+            found.append(name)
+    return sorted(found)
+
+
+def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float = 0.35,
+                 carried_experts: bool | None = None) -> dict:
     """Prove ``out`` (a W4A16 output of checkpoint ``src``) is ``src`` with some weights quantized.
 
     1. every quantized weight's name is a weight of the source checkpoint with the same shape, and its
        dequantized value is near the source's (a transposed or swapped tensor is not);
-    2. no router / gate is quantized;
+    2. no router / gate is quantized, and every routed expert weight is (:func:`routed_expert_weights` finds
+       none in ``out``), unless ``carried_experts`` (default: the zoo entry of ``src``'s ``model_type`` names
+       why its experts are carried);
     3. transformers loads ``out`` with no missing or unexpected keys;
     4. its logits equal those of the source checkpoint with each quantized weight replaced by its
        dequantized value (loaded by transformers from the source's own layout): float tolerance only.
@@ -315,6 +355,15 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
             problems.append(f"{name!r} of the vision tower / projector was quantized (carried by default)")
     if not deq:
         problems.append("no weight was quantized")
+    if carried_experts is None:
+        entry = ZOO.get(json.loads((src / "config.json").read_text()).get("model_type"))
+        report = out / "sq_report.json"
+        model_free = report.exists() and json.loads(report.read_text()).get("mode") == "model-free"
+        carried_experts = entry is not None and entry.allow_carried(model_free)
+    if not carried_experts:
+        full = routed_expert_weights(read_safetensors_dir(out))
+        if full:
+            problems.append(f"{len(full)} routed expert weight(s) left in full precision, e.g. {full[:3]}")
     if problems:
         raise AssertionError(f"{out}:\n" + "\n".join(problems))
     with tempfile.TemporaryDirectory(prefix="sq-zoo-ref-") as tmp:
