@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Layout", "checkpoint_layout"]
 
+_FUSED_PARAMS = (*EXPERT_PARAMS, "up_proj")  # fused experts' projections (up_proj: up/down-only experts)
 _EXPERT_KEY = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
 
 
@@ -111,7 +112,7 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
                 lay.expert[key] = (m["group"], int(m["e"]), m["leaf"])
                 lay.names[m["group"]] = mod_name
             elif key in km.transposed:  # judged in the model's layout: carried as stored, or refused
-                if len(info.shape) == 3 and pname in EXPERT_PARAMS and mod is not None:
+                if len(info.shape) == 3 and pname in _FUSED_PARAMS and mod is not None:
                     _fused(lay, model, key, info, mod_name, pname, km.transposed[key])
                 elif isinstance(mod, nn.Linear) and pname == "weight" and block is not None and mod_name not in gates:
                     lay.refused[key] = _transposed_refusal(key, info, target, targets[target], "a quantized Linear")
@@ -120,7 +121,7 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
                   and mod_name not in gates):
                 lay.linear[key] = mod_name
                 lay.names[key.removesuffix(".weight")] = mod_name
-            elif (len(info.shape) == 3 and pname in EXPERT_PARAMS and mod is not None
+            elif (len(info.shape) == 3 and pname in _FUSED_PARAMS and mod is not None
                   and _whole(p, targets[target])):
                 _fused(lay, model, key, info, mod_name, pname)
             elif block is not None and not _whole(p, targets[target]):

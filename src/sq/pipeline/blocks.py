@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import EXPERT_PARAMS, carried_experts
+from sq.anatomy import carried_experts, expert_params
 from sq.dist import rank_device
 from sq.errors import SqError
 from sq.export import writer
@@ -312,7 +312,7 @@ class _Pipeline:
             # only (NVFP4): one per expert and param, gate and up sharing it (vLLM fuses them)
             per_slot = not rtn.scales_follow_rows(scheme)
             slots = slot_rows(export_slots(eprefix, ex, self.weights.expert_pieces)) if per_slot else {}
-            for pname in EXPERT_PARAMS:
+            for pname in expert_params(ex):
                 p = ex._parameters[pname]
                 local, off = local_box(p)  # [n_local, rows_local, in]: rows [r0, r0 + rows_local) of each expert
                 r0 = off[1]
@@ -363,7 +363,7 @@ class _Pipeline:
         expert_q = {}
         for eprefix, ex, scheme in work.experts:
             expert_q[eprefix] = {}
-            for pname in EXPERT_PARAMS:
+            for pname in expert_params(ex):
                 local, off = local_box(ex._parameters[pname])
                 expert_q[eprefix][pname] = take_solved(
                     self.algo.solve_experts(work, eprefix, ex, pname, local, off[0], scheme), local)
@@ -438,7 +438,8 @@ class _Pipeline:
         if rank == 0 and self.rotation is not None:  # online rotations' matrices (R4), beside their Linears
             tensors.update({self._ckpt_module(f"{work.prefix}.{n}") + rel: v
                             for n, rel, v in self.rotation.online_tensors(work.block, self.weight_dtype)})
-        skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in EXPERT_PARAMS}
+        skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, ex, _ in work.experts
+                                                             for f in expert_params(ex)}
         params = dict(self.model.named_parameters())
         for n in names:
             if n in skip:

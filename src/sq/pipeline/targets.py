@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import (EXPERT_PARAMS, carried_experts, decoder_blocks, experts_modules, quantized_layout_problems,
+from sq.anatomy import (carried_experts, decoder_blocks, expert_params, experts_modules, quantized_layout_problems,
                         routers)
 from sq.errors import SqError
 from sq.formats import specs
@@ -82,7 +82,7 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
         for n, ex in experts_modules(block):
             e, hidden, inter = ex._parameters["down_proj"].shape
             scheme = assigner.assign(f"{prefix}.{n}")
-            for pname, width in (("gate_up_proj", hidden), ("down_proj", inter)):
+            for pname, width in ((expert_params(ex)[0], hidden), ("down_proj", inter)):
                 try:
                     if scheme is not None:
                         check_group_size(f"{prefix}.{n}.{pname}", width, scheme)
@@ -148,11 +148,11 @@ def row_shard_problems(targets: Targets) -> list[str]:
 
 def nonfinite(linears: list[Linear], experts, device) -> list[str]:
     """The block's quantized weights holding NaN or Inf on any rank (collective; the same list on every rank)."""
-    names = [l.name for l in linears] + [f"{e}.{p}" for e, _, _ in experts for p in EXPERT_PARAMS]
+    names = [l.name for l in linears] + [f"{e}.{p}" for e, ex, _ in experts for p in expert_params(ex)]
     if not names:
         return []
     local = [local_box(l.module.weight)[0] for l in linears]
-    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in EXPERT_PARAMS]
+    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in expert_params(ex)]
     flags = torch.tensor([not rtn.all_finite(t) for t in local], dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [n for n, f in zip(names, flags.tolist()) if f]

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.anatomy import EXPERT_PARAMS, expert_leaves
+from sq.anatomy import expert_leaves, expert_mid, expert_params
 from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 class ExpertSlot:
     """One exported expert projection: rows ``[lo, hi)`` of ``param[e]`` -> checkpoint prefix."""
 
-    param: str  # "gate_up_proj" | "down_proj"
+    param: str  # "gate_up_proj" (or "up_proj": up/down-only experts) | "down_proj"
     expert: int
     lo: int
     hi: int
@@ -61,7 +61,7 @@ def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]
     """
     pieces = pieces or {}
     slots = []
-    for pname in EXPERT_PARAMS:
+    for pname in expert_params(experts):
         target = f"{prefix}.{pname}"
         p = experts._parameters[pname]
         n_exp, rows = p.shape[0], p.shape[1]
@@ -194,10 +194,10 @@ class ExpertCalibration:
             if not len(calib.mine) or h_all.shape[0] == 0:
                 return out
             h_fp = calib.fp_h if pairs else None
-            p = module.gate_up_proj
-            gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I, H]
+            p = module._parameters[expert_params(module)[0]]  # gate_up_proj, or up_proj (up/down-only)
+            gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I (I), H]
             gate_up = gate_up.to(h_all.dtype)  # as the experts' own forward computes (sq.parallel.expert)
-            first = calib.mine.start if is_ep_param(module.gate_up_proj) else 0
+            first = calib.mine.start if is_ep_param(p) else 0
             if calib.calibrate_all and calib.hessians:
                 calib.h_in[calib.mine.start].add_batch(h_all, h_fp)  # the one shared accumulator
             if calib.calibrate_all and calib.absmax:
@@ -212,8 +212,7 @@ class ExpertCalibration:
                 if x.shape[0] == 0:
                     continue
                 w = gate_up[e - first]
-                gate, up = nn.functional.linear(x, w).chunk(2, dim=-1)
-                mid = module.act_fn(gate) * up
+                mid = expert_mid(module, x, w)
                 if not calib.calibrate_all:
                     if calib.hessians:
                         calib.h_in[e].add_batch(x)
@@ -222,8 +221,7 @@ class ExpertCalibration:
                 if calib.hessians:
                     mid_fp = None
                     if h_fp is not None:  # the same expert on the full-precision chain's tokens
-                        gate, up = nn.functional.linear(h_fp, w).chunk(2, dim=-1)
-                        mid_fp = module.act_fn(gate) * up
+                        mid_fp = expert_mid(module, h_fp, w)
                     calib.h_mid[e].add_batch(mid, mid_fp)
                 if calib.absmax:
                     torch.maximum(calib.amax_mid[e], _absmax(mid), out=calib.amax_mid[e])
@@ -292,7 +290,7 @@ def export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, act
     dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
     follow = rtn.scales_follow_rows(scheme)
     full = {}
-    for pname in EXPERT_PARAMS:
+    for pname in expert_params(ex):
         p = ex._parameters[pname]
         q, scale, zp, gs = qdata[pname]
         if q is None:

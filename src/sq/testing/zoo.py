@@ -11,6 +11,7 @@ dequantized value from the output.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -63,7 +64,6 @@ def _e(model_type: str, family: str, *, moe: bool | None = None, carried_experts
 # why the model path carries a type's routed experts (ZooEntry.carried_experts)
 _TRANSPOSED = "stored [E, in, out] (gpt-oss, Llama 4): no layout transformers loads back quantized from the model path"
 _NO_MAPPING = "transformers has no per-expert conversion mapping for them"
-_UP_DOWN = "up/down-only experts: the model path's expert machinery is gate/up/down (model-free quantizes them)"
 _ZERO = "zero-compute slots beside the experts: the model path's EP split needs equal slots (model-free quantizes them)"
 
 
@@ -105,7 +105,7 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("kimi_linear", "hybrid", **_MLA, linear_head_dim=16, linear_num_heads=4, num_experts_per_token=2,
        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]),
     _e("falcon_h1", "hybrid", **_MAMBA, mamba_d_ssm=128),
-    _e("nemotron_h", "hybrid", carried_experts=_UP_DOWN, model_free_experts=True, layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=8,
+    _e("nemotron_h", "hybrid", layers_block_type=["mamba", "moe", "attention", "mlp"], mamba_num_heads=8,
        mamba_head_dim=16, ssm_state_size=16, n_groups=1, moe_shared_expert_intermediate_size=48, chunk_size=16),
     _e("jamba", "hybrid", attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
        mamba_dt_rank=16, mamba_d_state=16),
@@ -128,18 +128,22 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=
 _SPECIAL_IDS = range(512, 528)
 
 
-def tiny_config(model_type: str) -> dict:
-    """The config keyword arguments for a tiny ``model_type``: every size key its class has."""
+def tiny_config(model_type: str, variant: "Variant | None" = None) -> dict:
+    """The config keyword arguments for a tiny ``model_type``: every size key its class has (``variant``:
+    its overrides on top, :func:`variant`)."""
     from transformers import AutoConfig
 
     entry = ZOO[model_type]
     config = AutoConfig.for_model(model_type)
+    # a copy: some config classes edit a per-layer list in place (Gemma 4 makes the last layer full attention)
+    more = copy.deepcopy(variant.overrides) if variant is not None else {}
+    top = {k: more.pop(k) for k in _TOP_LEVEL if k in more}
     if entry.family == "vlm":
-        return _vlm_config(config, entry.overrides)
+        return _vlm_config(config, entry.overrides | more) | top
     wanted = dict(_BASE, **_MOE) if entry.family in ("moe", "hybrid") else dict(_BASE)
     defaults = config.to_dict()
     kwargs = {k: v for k, v in wanted.items() if k in defaults or k in _BASE}
-    return kwargs | entry.overrides
+    return kwargs | entry.overrides | more | top
 
 
 def _vlm_config(config, text_overrides: dict) -> dict:
@@ -157,14 +161,156 @@ def _vlm_config(config, text_overrides: dict) -> dict:
 
 
 def build_zoo(out_dir: Path, model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-              shards: int = 2) -> Path:
+              shards: int = 2, variant: "Variant | None" = None) -> Path:
+    """``model_type``'s tiny checkpoint in ``out_dir`` (``variant``: that configuration, in its dtype)."""
     entry = ZOO[model_type]
+    if variant is not None:
+        dtype = torch.bfloat16 if variant.dtype in ("bfloat16", "mixed") else torch.float32
     # the embedding has spare rows past the tokenizer (as real checkpoints do): some tokenizer classes
     # add a special token of their own
-    path = build_checkpoint(out_dir, model_type, tiny_config(model_type), seed=seed, dtype=dtype, shards=shards,
-                            image_text=entry.family == "vlm", tokenizer_vocab_size=512)[0]
+    path = build_checkpoint(out_dir, model_type, tiny_config(model_type, variant), seed=seed, dtype=dtype,
+                            shards=shards, image_text=entry.family == "vlm", tokenizer_vocab_size=512)[0]
     hub_transposed_layout(path, model_type)
+    if variant is not None and variant.dtype == "mixed":
+        float32_state(path)
     return path
+
+
+# ----------------------------------------------------------------------------- variants
+
+# config keys set on the top-level config of a VLM (the rest go to its text_config)
+_TOP_LEVEL = ("tie_word_embeddings",)
+# what a variant may change, each only where the config class has the key: (key, choices)
+_LAYER_AXES = (
+    ("first_k_dense_replace", (0, 1)), ("decoder_sparse_step", (1, 2)), ("moe_layer_start_index", (0, 1)),
+    ("num_dense_layers", (0, 1)), ("mlp_only_layers", ([], [0])), ("interleave_moe_layer_step", (1, 2)),
+)
+_SHARED_AXES = (
+    ("n_shared_experts", (0, 1, 2)), ("num_shared_experts", (0, 1)), ("shared_expert_intermediate_size", (0, 48, 96)),
+    ("moe_shared_expert_intermediate_size", (48, 96)),
+)
+# the 1-D state parameters of linear-attention / SSM layers that real hybrids store in float32 beside bf16 weights
+_STATE = re.compile(r"\.(A_log|D|dt_bias|dt_proj\.bias|conv1d\.bias)$")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One generated configuration of a zoo type: a function of ``(model_type, seed)`` alone (seed 0: the
+    entry as listed).  ``overrides`` go on top of :func:`tiny_config`; ``dtype`` is the checkpoint's
+    (``mixed``: bf16 weights, float32 SSM / linear-attention state parameters); ``dropped`` names the drawn
+    overrides the config class refused (the model did not build with them)."""
+
+    model_type: str
+    seed: int
+    overrides: dict
+    dtype: str  # float32 | bfloat16 | mixed
+    dropped: tuple[str, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.model_type}-s{self.seed}"
+
+    def describe(self) -> str:
+        keys = ", ".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
+        return f"{self.id} [{self.dtype}{'; ' + keys if keys else ''}]"
+
+
+def variant(model_type: str, seed: int) -> Variant:
+    """The ``seed``-th generated configuration of ``model_type`` (reproducible: ``random.Random`` seeded with the
+    pair): layer count and pattern (dense-first layers, sparse step), shared experts on / off, head size
+    (``head_dim`` != hidden / heads), tied / untied embeddings, dtype (float32, bf16, bf16 with float32 state
+    parameters for hybrids).  Only keys the config class has are drawn, and the drawn set is proven by building
+    the model on the meta device: an override it refuses is dropped (named in ``dropped``)."""
+    import random
+
+    from transformers import AutoConfig
+
+    entry = ZOO[model_type]
+    if seed == 0:
+        return Variant(model_type, 0, {}, "float32")
+    rng = random.Random(f"{model_type}/{seed}")
+    config = AutoConfig.for_model(model_type)
+    text = config.get_text_config() if entry.family == "vlm" else config
+    has = set(text.to_dict())
+    base = tiny_config(model_type)
+    base_text = base.get("text_config", base)
+    drawn: dict = {}
+    layers_key = "num_hidden_layers" if "num_hidden_layers" in base_text else None
+    per_layer = {k: v for k, v in base_text.items() if isinstance(v, list) and len(v) == base_text.get(layers_key)}
+    if layers_key and "num_layers" not in base_text and not any(
+            isinstance(v, list) and k not in per_layer and k != "mlp_only_layers" for k, v in base_text.items()):
+        n = rng.choice((2, 3, 4))
+        if n != base_text[layers_key]:
+            drawn[layers_key] = n
+            for k, v in per_layer.items():  # per-layer lists cycled to the new depth
+                drawn[k] = [v[i % len(v)] for i in range(n)]
+    if entry.family in ("moe", "hybrid") or entry.moe:
+        for key, choices in _LAYER_AXES + _SHARED_AXES:
+            if key in has and key not in entry.overrides:
+                drawn[key] = rng.choice(choices)
+    if "head_dim" in has and "head_dim" not in entry.overrides and "kv_lora_rank" not in base_text:
+        drawn["head_dim"] = rng.choice((16, 32))  # 32: head_dim != hidden / heads (64 / 4)
+    drawn["tie_word_embeddings"] = rng.choice((False, True))
+    dtypes = ("float32", "bfloat16", "mixed") if entry.family == "hybrid" else ("float32", "bfloat16")
+    dtype = rng.choice(dtypes)
+    kept, dropped = _buildable(model_type, seed, drawn)
+    return Variant(model_type, seed, kept, dtype, tuple(dropped))
+
+
+def _buildable(model_type: str, seed: int, drawn: dict) -> tuple[dict, list[str]]:
+    """``drawn`` less the overrides the model does not build with: the one whose removal makes it build, else the
+    first in key order, until it builds (a layer count goes with its cycled per-layer lists)."""
+    def builds(overrides: dict) -> bool:
+        try:
+            _meta_model(model_type, Variant(model_type, seed, overrides, "float32"))
+            return True
+        except Exception:  # noqa: BLE001 - a value the config class or the model refuses: not this variant's
+            return False
+
+    def without(overrides: dict, key: str) -> dict:
+        lists = [k for k, v in overrides.items() if isinstance(v, list) and k != "mlp_only_layers"]
+        gone = {key, *(lists if key == "num_hidden_layers" else ())}
+        return {k: v for k, v in overrides.items() if k not in gone}
+
+    kept = dict(drawn)
+    while kept and not builds(kept):
+        key = next((k for k in sorted(kept) if builds(without(kept, k))), sorted(kept)[0])
+        kept = without(kept, key)
+    return kept, sorted(set(drawn) - set(kept))
+
+
+def _meta_model(model_type: str, v: "Variant"):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = AutoConfig.for_model(model_type, **tiny_config(model_type, v))
+    auto = AutoModelForImageTextToText if ZOO[model_type].family == "vlm" else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(cfg)
+
+
+def variants(model_type: str, n: int, start: int = 1) -> list[Variant]:
+    """Seeds ``start .. start + n - 1`` of ``model_type`` (:func:`variant`)."""
+    return [variant(model_type, s) for s in range(start, start + n)]
+
+
+def float32_state(path: Path) -> list[str]:
+    """Rewrite checkpoint ``path``'s SSM / linear-attention state parameters (``A_log``, ``D``, ``dt_bias``...)
+    as float32 beside its bf16 weights, as real hybrids ship them; returns their keys."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    done = []
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            metadata = h.metadata()
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        hit = [k for k in tensors if _STATE.search(k) and tensors[k].dtype == torch.bfloat16]
+        if hit:
+            for k in hit:
+                tensors[k] = tensors[k].float()
+            save_file(tensors, str(f), metadata=metadata)
+            done += hit
+    return sorted(done)
 
 
 def hub_transposed_layout(path: Path, model_type: str) -> list[str]:
@@ -371,7 +517,9 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy(f, ref_dir / f.name)
-        patched = {k: (deq[k].to(v.dtype) if k in deq else v).contiguous() for k, v in source.items()}
+        # the dequantized weights in float32 whatever the source's dtype: transformers dequantizes the output's
+        # codes and scales in float32 (rounding them to a bf16 source's dtype would differ by that rounding)
+        patched = {k: (deq[k] if k in deq else v).contiguous() for k, v in source.items()}
         save_file(patched, ref_dir / "model.safetensors", metadata={"format": "pt"})
         a, b = _both_logits(ref_dir, out)
     diff = float((a - b).abs().max())
