@@ -220,7 +220,8 @@ def variant(model_type: str, seed: int) -> Variant:
     pair): layer count and pattern (dense-first layers, sparse step), shared experts on / off, head size
     (``head_dim`` != hidden / heads), tied / untied embeddings, dtype (float32, bf16, bf16 with float32 state
     parameters for hybrids).  Only keys the config class has are drawn, and the drawn set is proven by building
-    the model on the meta device: an override it refuses is dropped (named in ``dropped``)."""
+    the model on the meta device: an override it refuses, or turns into a 0-wide parameter, is dropped (named in
+    ``dropped``)."""
     import random
 
     from transformers import AutoConfig
@@ -262,10 +263,12 @@ def _buildable(model_type: str, seed: int, drawn: dict) -> tuple[dict, list[str]
     first in key order, until it builds (a layer count goes with its cycled per-layer lists)."""
     def builds(overrides: dict) -> bool:
         try:
-            _meta_model(model_type, Variant(model_type, seed, overrides, "float32"))
-            return True
+            model = _meta_model(model_type, Variant(model_type, seed, overrides, "float32"))
         except Exception:  # noqa: BLE001 - a value the config class or the model refuses: not this variant's
             return False
+        # a size drawn 0 that the model builds as a 0-wide Linear instead of leaving the part out
+        # (DeepSeek-V3's shared experts at n_shared_experts 0): no checkpoint ships that
+        return all(p.numel() for p in model.parameters())
 
     def without(overrides: dict, key: str) -> dict:
         lists = [k for k, v in overrides.items() if isinstance(v, list) and k != "mlp_only_layers"]
