@@ -40,7 +40,7 @@ ROTATE_REFUSED = {
     "cohere": "it centres its input", "cohere2": "it centres its input",
     "deepseek_v4": _NOT_EXPERTS, "gpt_oss": _NOT_EXPERTS, "granitemoe": _NOT_EXPERTS,
     "granitemoehybrid": _NOT_EXPERTS, "granitemoeshared": _NOT_EXPERTS, "longcat_flash": _NOT_EXPERTS,
-    "nemotron_h": _NOT_EXPERTS, "qwen3_vl_moe": _NOT_EXPERTS,
+    "qwen3_vl_moe": _NOT_EXPERTS,
     "exaone4": _SANDWICH, "flex_olmo": _SANDWICH, "gemma2": _SANDWICH, "gemma3": _SANDWICH, "gemma3_text": _SANDWICH,
     "gemma4_text": _SANDWICH, "glm4": _SANDWICH, "olmo2": _SANDWICH, "olmo3": _SANDWICH,
     "falcon_h1": "--rotate r1: block 0", "minimax": "--rotate r1: block 0", "kimi_linear": "--rotate r2: block 0",
