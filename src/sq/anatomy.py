@@ -5,14 +5,17 @@ Everything sq needs to know about a transformers model's layout, in one place:
 - ``decoder_blocks``: the blocks the pipeline walks, in order;
 - ``experts_modules``: transformers 5's fused routed experts in the layout sq quantizes (3-D
   ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, gate and up concatenated, no biases, called
-  as ``experts(hidden, top_k_index, top_k_weights)``) and ``EXPERT_PARAMS``, their two projections.
+  as ``experts(hidden, top_k_index, top_k_weights)``; or up/down-only, ``up_proj [E, I, H]`` /
+  ``down_proj [E, H, I]`` computing ``down(act(up x))``) and ``expert_params``, a module's two projections
+  (``EXPERT_PARAMS`` / ``UP_DOWN_PARAMS``), with ``expert_mid``, what its ``down_proj`` reads.
   The layout is read from the module itself (the ``has_gate`` / ``is_transposed`` /
   ``is_concatenated`` / ``has_bias`` facts transformers' ``use_experts_implementation`` declares,
   the shapes, the forward's signature), never from names; ``annotate_experts`` also asks the
   model's conversion mapping for the per-expert checkpoint names transformers loads back into the
-  fused tensors.  Experts in any other layout (gpt-oss' and Llama 4's ``[E, H, 2I]``, Nemotron-H's
-  up/down-only, LongCat's zero-compute slots, GraniteMoE's fused-on-disk tensors without a
-  per-expert layout) are carried unquantized, with the reason logged (``carried_experts``);
+  fused tensors.  Experts in any other layout (gpt-oss' and Llama 4's ``[E, H, 2I]``, LongCat's
+  zero-compute slots, GraniteMoE's fused-on-disk tensors without a per-expert layout) are not quantized:
+  ``carried_experts`` names them with the reason, and a job refuses them unless
+  ``--allow-unquantized-experts`` (``sq.pipeline.targets.model_experts_problems``);
 - ``routers``: the Linears of an MoE block that score experts (out features = the number of
   experts) or gate a shared expert (out features 1): never quantized unless a recipe names them;
 - ``FUSED_PARTNERS``: Linears that serving engines fuse into one kernel (vLLM's ``qkv_proj``,
