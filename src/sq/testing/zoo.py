@@ -409,6 +409,11 @@ def _load(path: Path, *, state_dict=None):
     archs = getattr(cfg, "architectures", None) or []
     auto = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in archs) else AutoModelForCausalLM
     model, info = auto.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    # computed in float32 throughout: transformers leaves a compressed checkpoint's routed experts in their
+    # scales' dtype (bf16 for a bf16 source) while the reference's are float32; the values are the same
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
     # online transforms (--rotate r4): transformers leaves their stored matrices unused; sq hooks them on
     groups = transform_groups(json.loads((Path(path) / "config.json").read_text()))
     if apply_online_transforms(model, path):
@@ -520,9 +525,12 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy(f, ref_dir / f.name)
-        # the dequantized weights in float32 whatever the source's dtype: transformers dequantizes the output's
-        # codes and scales in float32 (rounding them to a bf16 source's dtype would differ by that rounding)
-        patched = {k: (deq[k] if k in deq else v).contiguous() for k, v in source.items()}
+        # the dequantized weights as transformers computes them from the output: a Linear's in float32 whatever
+        # the source's dtype, a routed expert's in its scales' dtype (compressed-tensors' per-expert
+        # decompression, before the experts are stacked)
+        scales = {k: t.dtype for k, t in read_safetensors_dir(out).items() if k.endswith(".weight_scale")}
+        patched = {k: (_as_loaded(k, deq[k], scales.get(k + "_scale")) if k in deq else v).contiguous()
+                   for k, v in source.items()}
         save_file(patched, ref_dir / "model.safetensors", metadata={"format": "pt"})
         a, b = _both_logits(ref_dir, out)
     diff = float((a - b).abs().max())
@@ -531,6 +539,12 @@ def check_output(src: Path, out: Path, *, atol: float = 1e-4, max_rel_err: float
         raise AssertionError(f"{out}: logits differ from the dequantized source by {diff:.3g} (max |logit| {scale:.3g})")
     n_carried = len(json.loads((out / "config.json").read_text())["quantization_config"].get("ignore", []))
     return {"quantized": len(deq), "ignored": n_carried, "logit_diff": diff}
+
+
+def _as_loaded(name: str, w: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.Tensor:
+    if scale_dtype is not None and _PER_EXPERT_WEIGHT.search(name):
+        return w.to(scale_dtype).float()
+    return w
 
 
 def check_rotated(src: Path, out: Path, *, max_rel: float = 0.05, max_proof: float = 1e-4) -> dict:
