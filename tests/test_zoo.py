@@ -102,7 +102,8 @@ def _args(src: Path, out: Path, moe: bool, allow_carried: bool = False) -> list[
 def test_zoo_gptq_two_ranks(model_type, sources, zoo_root):
     src, out = sources[model_type], zoo_root / f"{model_type}-gptq-2"
     # a refusal: every rank runs to its own exit (torchrun would stop the others at the first exit)
-    res = run_cli(_args(src, out, ZOO[model_type].moe, ZOO[model_type].allow_carried(False)), 2, timeout=240, stop_on_failure=model_type not in REFUSED)
+    res = run_cli(_args(src, out, ZOO[model_type].moe, ZOO[model_type].allow_carried(False)), 2, timeout=240,
+                  stop_on_failure=model_type not in REFUSED)
     if model_type in REFUSED:
         assert res.returncode != 0 and all(c == 2 for c in res.codes), res.output[-3000:]
         assert REFUSED[model_type] in res.stderr and "Traceback" not in res.output, res.stderr[-3000:]

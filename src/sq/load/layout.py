@@ -148,7 +148,8 @@ def _linear_slabs(mod: nn.Module, pname: str, info: TensorInfo) -> bool:
     e, hidden, inter = down.shape
     if up is not None and gu is None and tuple(up.shape) == (e, inter, hidden):  # up / down only
         want = {"up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-    elif gu is not None and up is None and gu.dim() == 3 and gu.shape[0] > e and tuple(gu.shape[1:]) == (2 * inter, hidden):
+    elif (gu is not None and up is None and gu.dim() == 3 and gu.shape[0] > e
+          and tuple(gu.shape[1:]) == (2 * inter, hidden)):
         want = {"gate_up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # zero-compute slots beside
     else:
         return False

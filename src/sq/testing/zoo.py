@@ -96,7 +96,8 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("granitemoe", "moe", carried_experts=_NO_MAPPING), _e("granitemoeshared", "moe", carried_experts=_NO_MAPPING),
     _e("olmoe", "moe"), _e("ernie4_5_moe", "moe"), _e("glm4_moe", "moe"), _e("dots1", "moe"),
     _e("hunyuan_v1_moe", "moe"),
-    _e("longcat_flash", "moe", **_MLA, carried_experts=_ZERO, model_free_experts=True, num_layers=2, expert_ffn_hidden_size=48, zero_expert_num=2, moe_topk=2),
+    _e("longcat_flash", "moe", **_MLA, carried_experts=_ZERO, model_free_experts=True, num_layers=2,
+       expert_ffn_hidden_size=48, zero_expert_num=2, moe_topk=2),
     _e("minimax", "moe", layer_types=["linear_attention", "full_attention"]), _e("flex_olmo", "moe"),
     _e("lfm2_moe", "moe", num_dense_layers=1, layer_types=["conv", "full_attention"]),
     _e("exaone_moe", "moe"), _e("qwen3_5_moe_text", "moe", **_LINEAR),
@@ -113,8 +114,10 @@ ZOO: dict[str, ZooEntry] = {e.model_type: e for e in [
     _e("bamba", "hybrid", **_MAMBA, attn_layer_indices=[1]),
     _e("granitemoehybrid", "hybrid", carried_experts=_NO_MAPPING, **_MAMBA, layer_types=["mamba", "attention"]),
     # vision-language: overrides go to text_config; the vision tower is tiny (_VISION)
-    _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm", rope_parameters=_MROPE), _e("qwen3_vl", "vlm"), _e("qwen3_vl_moe", "vlm", moe=True, carried_experts=_NO_MAPPING),
-    _e("qwen3_5", "vlm", **_LINEAR), _e("llama4", "vlm", moe=True, carried_experts=_TRANSPOSED), _e("mistral3", "vlm"), _e("llava", "vlm"),
+    _e("gemma3", "vlm"), _e("qwen2_5_vl", "vlm", rope_parameters=_MROPE), _e("qwen3_vl", "vlm"),
+    _e("qwen3_vl_moe", "vlm", moe=True, carried_experts=_NO_MAPPING),
+    _e("qwen3_5", "vlm", **_LINEAR), _e("llama4", "vlm", moe=True, carried_experts=_TRANSPOSED), _e("mistral3", "vlm"),
+    _e("llava", "vlm"),
     _e("idefics3", "vlm"),
 ]}
 
