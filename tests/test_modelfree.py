@@ -314,8 +314,9 @@ def test_unclassified_tensors_are_named_with_the_flag_to_override(checkpoints, t
 # [E, H, 2I] (llama4_text: transformers loads them per expert only; gpt_oss: carried fused), linear-attention
 # and conv tensors beside attention (qwen3_next), small gates and routers that are nn.Linear (qwen2_moe),
 # a router statistic renamed by the conversion mapping (ernie4_5_moe)
-# nemotron_h / kimi_linear: tensors the checkpoint splits over keys and sq leaves unquantized (carried experts,
-# q/k/v conv weights) must be written whole under the model's name, as the model path writes them
+# nemotron_h: up/down-only experts quantized per expert; kimi_linear: tensors the checkpoint splits over keys and
+# sq leaves unquantized (q/k/v conv weights) must be written whole under the model's name, as the model path does;
+# llama4_text / gpt_oss carry their experts, with --allow-unquantized-experts only
 ZOO_CASES = {"llama4_text": (1,), "gpt_oss": (1,), "qwen3_next": (1, 2), "qwen2_moe": (1, 2), "ernie4_5_moe": (1,),
              "nemotron_h": (2,), "kimi_linear": (1,)}
 
@@ -333,8 +334,9 @@ def zoo_runs(tmp_path_factory):
     runs = {}
     for t, worlds in ZOO_CASES.items():
         src = build_zoo(root / t, t)
+        allow = ["--allow-unquantized-experts"] if t in ("llama4_text", "gpt_oss") else []
         for w in worlds:
-            runs[t, w] = (src, root / f"{t}-out{w}", _cli(src, root / f"{t}-out{w}", w))
+            runs[t, w] = (src, root / f"{t}-out{w}", _cli(src, root / f"{t}-out{w}", w, *allow))
     return runs
 
 
@@ -350,12 +352,15 @@ def test_zoo_layouts_from_the_meta_model_load_back(zoo_runs, arch, world):
     assert summary["quantized"] > 0
     written = read_safetensors_dir(out)
     qc = _qc(out)
-    if arch == "nemotron_h":  # up/down-only experts carried, whole, under the model's fused names
-        assert {"model.layers.1.mixer.experts.up_proj", "model.layers.1.mixer.experts.down_proj"} <= set(written)
+    if arch == "nemotron_h":  # up/down-only experts quantized per expert, under the checkpoint's names
+        assert {f"backbone.layers.1.mixer.experts.{e}.{p}.weight_packed" for e in range(4)
+                for p in ("up_proj", "down_proj")} <= set(written)
+        assert not any(k.endswith("experts.up_proj") or k.endswith("experts.down_proj") for k in written)
     if arch in ("llama4_text", "gpt_oss"):  # attention quantized, experts carried unquantized
         assert any("self_attn.q_proj.weight_packed" in k for k in written)
         assert not any("experts" in k and k.endswith("weight_packed") for k in written)
-        assert "carried unquantized" in res.output
+        assert "carried unquantized" in res.output and "--allow-unquantized-experts" in res.output
+        assert json.loads((out / "sq_report.json").read_text())["unquantized_experts"]
     if arch == "gpt_oss":  # no per-expert layout transformers loads back: kept fused, as stored
         assert written["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 256)
     if arch == "llama4_text":  # transformers loads Llama4's experts per expert: [out, in] of the stored [in, out]

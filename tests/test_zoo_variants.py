@@ -1,113 +1,88 @@
-"""Zoo families in configurations the zoo's own entry does not have, each once broken inside sq's set-up.
+"""The zoo in configurations it was not written with: a small seeded sample of generated variants.
 
-Each variant is the zoo type's tiny config with a few ordinary changes (bf16 weights beside the float32
-routers, norms and state parameters transformers keeps, a per-layer head size), quantized with GPTQ W4A16
-at 2 ranks and proven by ``check_output`` (loads in transformers with no missing / unexpected keys, the
-dequantized source's logits; bf16 sources within bf16's rounding of the reference).  Every tensor the
-output carries keeps its stored dtype.  Also: models transformers cannot load quantized (their
-``_init_weights`` reads a quantized Linear's ``.weight``) are refused by name on every rank, nothing
-written; decoder stacks not called ``layers`` are found.
+``sq.testing.zoo.variant(model_type, seed)`` draws a configuration of a zoo type (layer count and pattern:
+dense-first layers, sparse step; shared experts on / off; ``head_dim`` != hidden / heads; tied / untied
+embeddings; float32, bf16, or bf16 with float32 SSM state parameters), a function of the pair alone.  Each run
+picks ``SAMPLE`` (type, seed) pairs across the families from ``SQ_ZOO_SEED`` (default 0: the same pairs every
+run; set it to explore others, the seed is in each test id) and runs each through GPTQ W4A16 at 2 ranks
+(``--ep 2`` for MoE) with ``check_output``.  ``bench/zoo_variants.py`` runs every type's variants.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
 
 from harness import run_cli
-from sq.synthetic import build_checkpoint
-from sq.testing.zoo import check_output, hub_transposed_layout, read_safetensors_dir, tiny_config
+from sq.testing.zoo import ZOO, Variant, build_zoo, check_output, tiny_config, variant
 
-# (id, model_type, overrides, dtype, float32 leaves rewritten into the shards, --ep): each failed before its fix
-VARIANTS = [
-    # float32 router / e_score_correction_bias in a bf16 MoE block: "Cannot concatenate overlapping meshes"
-    ("ernie-bf16-ep2", "ernie4_5_moe", {"num_hidden_layers": 3}, torch.bfloat16, (), 2),
-    ("dsv4-bf16-ep1", "deepseek_v4", {}, torch.bfloat16, (), 1),
-    ("afmoe-bf16-ep2", "afmoe", {"num_hidden_layers": 3}, torch.bfloat16, (), 2),
-    # float32 state parameters beside bf16 weights: "FSDP expects uniform original parameter dtype"
-    ("kimi-fp32-state", "kimi_linear", {}, torch.bfloat16, ("A_log", "dt_bias"), 2),
-    # full-attention layers with their own head size: AmbiguousGlobalPerLayerAttributeError on head_dim
-    ("gemma4-global-head", "gemma4_text", {"global_head_dim": 32}, torch.float32, (), 1),
-]
+SAMPLE = {"dense": 2, "moe": 2, "hybrid": 1, "vlm": 1}
+SAMPLE_SEED = int(os.environ.get("SQ_ZOO_SEED", "0"))
 
-
-def _float32_leaves(path: Path, leaves: tuple[str, ...]) -> list[str]:
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    done = []
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            metadata, tensors = h.metadata(), {k: h.get_tensor(k) for k in h.keys()}
-        hit = [k for k in tensors if k.rsplit(".", 1)[-1] in leaves]
-        for k in hit:
-            tensors[k] = tensors[k].float()
-        save_file(tensors, str(f), metadata=metadata)
-        done += hit
-    return done
-
-
-def _gptq(src: Path, out: Path, ep: int) -> list[str]:
-    return ["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "W4A16", "--algo", "gptq",
-            "--group-size", "8", "--nsamples", "4", "--seqlen", "32"] + (["--ep", str(ep)] if ep > 1 else [])
-
-
-@pytest.mark.parametrize("vid,model_type,overrides,dtype,fp32,ep", VARIANTS, ids=[v[0] for v in VARIANTS])
-def test_variant_quantizes(vid, model_type, overrides, dtype, fp32, ep, tmp_path):
-    src = build_checkpoint(tmp_path / "src", model_type, tiny_config(model_type) | overrides, seed=0, dtype=dtype,
-                           shards=2, tokenizer_vocab_size=512)[0]
-    hub_transposed_layout(src, model_type)
-    if fp32:
-        assert _float32_leaves(src, fp32)
-    out = tmp_path / "out"
-    res = run_cli(_gptq(src, out, ep), 2, timeout=240)
-    assert res.returncode == 0, res.output[-4000:]
-    source, written = read_safetensors_dir(src), read_safetensors_dir(out)
-    changed = {k: (source[k].dtype, written[k].dtype) for k in source
-               if k in written and written[k].dtype != source[k].dtype}
-    # carried tensors keep their stored dtype where the model has it too (transformers' float32 routers / norms
-    # in a bf16 model); a float32 tensor the model builds in bf16 (Kimi-Linear's A_log) is written in bf16
-    assert set(changed) == {k for k in changed if k.rsplit(".", 1)[-1] in fp32}, changed
-    assert {source[k].dtype for k in source} >= ({torch.float32, torch.bfloat16} if dtype == torch.bfloat16 else set())
-    # a bf16 source's reference weights round to bf16 where the output's do not: bf16's error on the logits
-    check_output(src, out, atol=2e-3 if dtype == torch.bfloat16 else 1e-4)
-    shutil.rmtree(out)
-
-
-_STACKS = {
-    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=128, vocab_size=528,
-                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=1),
-    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, vocab_size=528, n_positions=1024,
-                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1),
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=1024, vocab_size=528,
-                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
-                 ffn_config={"hidden_size": 64, "ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}),
+# variants another change fixes (tracked in issue 56), left out of the sample with the reason (found by
+# bench/zoo_variants.py): model_type -> (predicate on the variant, why)
+KNOWN_FAILING: dict[str, tuple] = {
+    "longcat_flash": (lambda v: True, "zero-compute expert slots on the model path: refused by name (docs/models.md)"),
+    # refused by name on the model path by design (tests/test_zoo.py REFUSED)
+    "llama4_text": (lambda v: True, "refused: transformers loads quantized Llama 4 experts as per-expert Linears"),
+    "llama4": (lambda v: True, "refused: transformers loads quantized Llama 4 experts as per-expert Linears"),
 }
 
 
-@pytest.mark.parametrize("model_type,stack", [("falcon", "transformer.h"), ("gpt_bigcode", "transformer.h"),
-                                              ("dbrx", "transformer.blocks")])
-def test_decoder_stack_found_by_structure(model_type, stack):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from sq.anatomy import decoder_blocks
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **_STACKS[model_type]))
-    assert [n for n, _ in decoder_blocks(model)] == [f"{stack}.0", f"{stack}.1"]
+def known_failing(v: Variant) -> str | None:
+    rule = KNOWN_FAILING.get(v.model_type)
+    return rule[1] if rule is not None and rule[0](v) else None
 
 
-@pytest.mark.parametrize("model_type,words", [("falcon", "transformer.h.0.self_attention.query_key_value"),
-                                              ("gpt_bigcode", "transformer.h.0.attn.c_proj")])
-def test_unloadable_quantized_layout_refused_by_name(model_type, words, tmp_path):
-    src = build_checkpoint(tmp_path / "src", model_type, _STACKS[model_type], seed=0, dtype=torch.float32, shards=1,
-                           tokenizer_vocab_size=512)[0]
-    out = tmp_path / "out"
-    res = run_cli(_gptq(src, out, 1), 2, timeout=240, stop_on_failure=False)
-    assert all(c == 2 for c in res.codes), res.output[-3000:]
-    assert "Traceback" not in res.output and res.stderr.count("sq: error:") == 1, res.stderr[-3000:]
-    assert words in res.stderr and "transformers cannot load a quantized checkpoint" in res.stderr, res.stderr
-    assert not out.exists() or not any(out.iterdir())
+def sample(seed: int) -> list[Variant]:
+    """``SAMPLE`` variants per family, drawn from ``seed``: types without replacement, variant seeds 1-999."""
+    rng = random.Random(seed)
+    picked = []
+    for family, n in SAMPLE.items():
+        types = sorted(t for t, e in ZOO.items() if e.family == family)
+        rng.shuffle(types)
+        for t in types:
+            if len([v for v in picked if ZOO[v.model_type].family == family]) == n:
+                break
+            v = variant(t, rng.randrange(1, 1000))
+            if known_failing(v) is None:
+                picked.append(v)
+    return picked
+
+
+def test_variants_are_reproducible_and_valid():
+    a, b = variant("qwen3_moe", 7), variant("qwen3_moe", 7)
+    assert a == b and a.id == "qwen3_moe-s7"
+    assert variant("llama", 0).overrides == {}  # seed 0: the entry as listed
+    seen = {(tuple(sorted((k, str(v)) for k, v in variant("deepseek_v3", s).overrides.items())),
+             variant("deepseek_v3", s).dtype) for s in range(1, 9)}
+    assert len(seen) > 3  # the seeds draw different configurations
+    from transformers import AutoConfig
+
+    for t in ("deepseek_v3", "qwen3_next", "gemma3", "nemotron_h"):
+        for s in (1, 2):
+            v = variant(t, s)
+            cls_keys = set(AutoConfig.for_model(t).get_text_config().to_dict()) | {"tie_word_embeddings"}
+            assert set(v.overrides) <= cls_keys, (v.describe(), set(v.overrides) - cls_keys)
+            cfg = tiny_config(t, v)
+            text = cfg.get("text_config", cfg)
+            assert all((cfg if k == "tie_word_embeddings" else text)[k] == val for k, val in v.overrides.items()), \
+                v.describe()
+    assert sample(SAMPLE_SEED) == sample(SAMPLE_SEED)
+
+
+@pytest.mark.parametrize("v", sample(SAMPLE_SEED), ids=lambda v: v.id)
+def test_zoo_variant_gptq_two_ranks(v, tmp_path):
+    entry = ZOO[v.model_type]
+    src = build_zoo(tmp_path / v.id, v.model_type, variant=v)
+    out = tmp_path / f"{v.id}-gptq-2"
+    args = ["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "W4A16", "--algo", "gptq",
+            "--group-size", "8", "--nsamples", "4", "--seqlen", "32", *(["--ep", "2"] if entry.moe else []),
+            *(["--allow-unquantized-experts"] if entry.allow_carried(False) else [])]
+    res = run_cli(args, 2, timeout=240)
+    assert res.returncode == 0, f"{v.describe()}\n{res.output[-4000:]}"
+    check_output(src, out)
+    shutil.rmtree(out)

@@ -5,14 +5,17 @@ Everything sq needs to know about a transformers model's layout, in one place:
 - ``decoder_blocks``: the blocks the pipeline walks, in order;
 - ``experts_modules``: transformers 5's fused routed experts in the layout sq quantizes (3-D
   ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, gate and up concatenated, no biases, called
-  as ``experts(hidden, top_k_index, top_k_weights)``) and ``EXPERT_PARAMS``, their two projections.
+  as ``experts(hidden, top_k_index, top_k_weights)``; or up/down-only, ``up_proj [E, I, H]`` /
+  ``down_proj [E, H, I]`` computing ``down(act(up x))``) and ``expert_params``, a module's two projections
+  (``EXPERT_PARAMS`` / ``UP_DOWN_PARAMS``), with ``expert_mid``, what its ``down_proj`` reads.
   The layout is read from the module itself (the ``has_gate`` / ``is_transposed`` /
   ``is_concatenated`` / ``has_bias`` facts transformers' ``use_experts_implementation`` declares,
   the shapes, the forward's signature), never from names; ``annotate_experts`` also asks the
   model's conversion mapping for the per-expert checkpoint names transformers loads back into the
-  fused tensors.  Experts in any other layout (gpt-oss' and Llama 4's ``[E, H, 2I]``, Nemotron-H's
-  up/down-only, LongCat's zero-compute slots, GraniteMoE's fused-on-disk tensors without a
-  per-expert layout) are carried unquantized, with the reason logged (``carried_experts``);
+  fused tensors.  Experts in any other layout (gpt-oss' and Llama 4's ``[E, H, 2I]``, LongCat's
+  zero-compute slots, GraniteMoE's fused-on-disk tensors without a per-expert layout) are not quantized:
+  ``carried_experts`` names them with the reason, and a job refuses them unless
+  ``--allow-unquantized-experts`` (``sq.pipeline.targets.model_experts_problems``);
 - ``routers``: the Linears of an MoE block that score experts (out features = the number of
   experts) or gate a shared expert (out features 1): never quantized unless a recipe names them;
 - ``FUSED_PARTNERS``: Linears that serving engines fuse into one kernel (vLLM's ``qkv_proj``,
@@ -33,12 +36,31 @@ from sq.errors import LoadRefused
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["decoder_blocks", "is_experts_module", "experts_modules", "EXPERT_PARAMS", "FUSED_PARTNERS",
+__all__ = ["decoder_blocks", "is_experts_module", "experts_modules", "EXPERT_PARAMS", "UP_DOWN_PARAMS",
+           "expert_params", "expert_mid", "FUSED_PARTNERS",
            "partner_groups", "expert_layout_problem", "annotate_experts", "carried_experts", "expert_leaves",
            "routers", "quantization_patch", "quantized_layout_problems", "config_size",
            "quantized_init_problems"]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+UP_DOWN_PARAMS = ("up_proj", "down_proj")  # up/down-only experts (Nemotron-H): down(act(up x)), no gate
+
+
+def expert_params(mod: nn.Module) -> tuple[str, str]:
+    """The two fused projections of experts ``mod``, input side first: ``gate_up_proj`` (gate then up rows) and
+    ``down_proj``, or ``up_proj`` and ``down_proj`` for up/down-only experts."""
+    p = mod._parameters
+    return UP_DOWN_PARAMS if p.get("gate_up_proj") is None and p.get("up_proj") is not None else EXPERT_PARAMS
+
+
+def expert_mid(mod: nn.Module, x, w_in):
+    """What expert ``mod``'s ``down_proj`` reads for inputs ``x`` and its input-side rows ``w_in``:
+    ``act(x W_gate^T) * (x W_up^T)``, or ``act(x W_up^T)`` for up/down-only experts."""
+    h = nn.functional.linear(x, w_in)
+    if expert_params(mod) == UP_DOWN_PARAMS:
+        return mod.act_fn(h)
+    gate, up = h.chunk(2, dim=-1)
+    return mod.act_fn(gate) * up
 
 # sibling Linears (same parent module) that one engine kernel reads as one weight
 FUSED_PARTNERS: tuple[tuple[str, ...], ...] = (
@@ -93,7 +115,8 @@ def config_size(cfg, key: str) -> int | None:
 
 def _fused_3d(mod: nn.Module) -> bool:
     p = mod._parameters
-    return "down_proj" in p and p["down_proj"] is not None and p["down_proj"].dim() == 3
+    return ("down_proj" in p and p["down_proj"] is not None and p["down_proj"].dim() == 3
+            and p.get(expert_params(mod)[0]) is not None)
 
 
 def _three_d(mod: nn.Module) -> list:
@@ -113,24 +136,28 @@ def expert_layout_problem(mod: nn.Module) -> str | None:
     against ``gate_up_proj [E, 2I, H]`` cannot be mistaken for the transposed ``[E, I, H]`` / ``[E, H, 2I]``.
     """
     p = mod._parameters
-    gu, down = p.get("gate_up_proj"), p.get("down_proj")
-    if not getattr(mod, "has_gate", True) or gu is None:
+    first, _ = names = expert_params(mod)
+    gated = names == EXPERT_PARAMS
+    gu, down = p.get(first), p.get("down_proj")
+    if gated and (not getattr(mod, "has_gate", True) or gu is None):
         return "up/down-only experts (no gated gate_up_proj)"
+    if not gated and (getattr(mod, "has_gate", False) or not callable(getattr(mod, "act_fn", None))):
+        return "up/down-only experts whose activation sq cannot read (no act_fn)"
     if getattr(mod, "is_transposed", False):
         return "experts stored transposed ([E, in, out], not nn.Linear's [E, out, in])"
     if not getattr(mod, "is_concatenated", True):
         return "gate and up rows interleaved in gate_up_proj"
-    extra = sorted(n for n, t in p.items() if t is not None and n not in EXPERT_PARAMS)
+    extra = sorted(n for n, t in p.items() if t is not None and n not in names)
     if extra or getattr(mod, "has_bias", False):
         return f"experts with parameters sq does not quantize as part of them ({', '.join(extra) or 'biases'})"
     if gu.dim() != 3 or down.dim() != 3:
-        return f"gate_up_proj {list(gu.shape)} / down_proj {list(down.shape)} are not both 3-D"
+        return f"{first} {list(gu.shape)} / down_proj {list(down.shape)} are not both 3-D"
     (e, two_i, h), (e2, h2, i) = gu.shape, down.shape
     if e != e2:
-        return f"{e} gate_up_proj slots but {e2} down_proj slots (zero-compute or identity experts)"
-    if h2 != h or two_i != 2 * i:
-        return (f"gate_up_proj {list(gu.shape)} / down_proj {list(down.shape)} are not [E, 2I, H] / [E, H, I] "
-                "(a transposed layout)")
+        return f"{e} {first} slots but {e2} down_proj slots (zero-compute or identity experts)"
+    if h2 != h or two_i != (2 if gated else 1) * i:
+        return (f"{first} {list(gu.shape)} / down_proj {list(down.shape)} are not "
+                f"[E, {'2I' if gated else 'I'}, H] / [E, H, I] (a transposed layout)")
     try:
         params = list(inspect.signature(type(mod).forward).parameters)[1:]
     except (TypeError, ValueError):
@@ -166,7 +193,11 @@ def expert_leaves(mod: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{param: per-expert leaf names}`` that transformers' conversion mapping stacks into ``param``
     (``{"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}`` by default; Mixtral's
     ``w1, w3`` / ``w2``), as :func:`annotate_experts` found them."""
-    return getattr(mod, "_sq_leaves", None) or {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    if getattr(mod, "_sq_leaves", None):
+        return mod._sq_leaves
+    if expert_params(mod) == UP_DOWN_PARAMS:
+        return {"up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+    return {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 _LITERAL_LEAF = re.compile(r"^\\?\.(\w+)\\?\.weight$")
@@ -203,7 +234,8 @@ def annotate_experts(model: nn.Module) -> list[tuple[str, str]]:
         if not _fused_3d(mod) or expert_layout_problem(mod) is not None:
             continue
         leaves: dict[str, tuple[str, ...]] = {}
-        for pname in EXPERT_PARAMS:
+        names = expert_params(mod)
+        for pname in names:
             full = f"{name}.{pname}"
             for conv in converters:
                 target = conv.target_patterns[0].replace("*", ".*")
@@ -211,10 +243,10 @@ def annotate_experts(model: nn.Module) -> list[tuple[str, str]]:
                     continue
                 tails = [src.split("*", 1)[-1] for src in conv.source_patterns]
                 found = [m.group(1) for m in (_LITERAL_LEAF.match(t) for t in tails) if m]
-                if len(found) == len(tails) and len(found) == (2 if pname == "gate_up_proj" else 1):
+                if len(found) == len(tails) and len(found) == (2 if pname == "gate_up_proj" else 1):  # gate + up
                     leaves[pname] = tuple(found)
                     break
-        if len(leaves) == len(EXPERT_PARAMS):
+        if len(leaves) == len(names):
             mod._sq_leaves = leaves
             mod._sq_carried_reason = None
         else:

@@ -52,6 +52,7 @@ class PTQConfig:
     skip_nonfinite: bool = False  # leave NaN/Inf Linears unquantized instead of refusing
     verify_source: str = "stat"  # stat | content: how the resume signature and the ranks identify source shards
     allow_unmatched: bool = False  # --ignore patterns / recipe rules matching no module: warned about, not refused
+    allow_unquantized_experts: bool = False  # routed experts sq cannot quantize: carried (reported), not refused
     trust_remote_code: bool = False  # run the checkpoint's own code (auto_map): only on the user's word
     bookkeeping: bool = True  # benchmark-only switch: no manifests, chain cache or checksums
     fault: str | None = None  # test-only: SQ_FAULT=point:rank[:block] (sq.resume.FAULT_POINTS)
@@ -198,7 +199,8 @@ class PTQConfig:
         # allow_unmatched only decides whether a pattern that matches nothing is refused; int_grid is in
         # the schemes (a scheme names its grid), where it is kept out while standard; preflight only checks disk
         for k in ("model", "output", "timeout_s", "resume", "bookkeeping", "fault", "recipe", "skip_nonfinite",
-                  "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched", "int_grid",
+                  "algo", "algo_settings", "trust_remote_code", "verify_source", "allow_unmatched",
+                  "allow_unquantized_experts", "int_grid",
                   "preflight", "fit_memory"):
             d.pop(k)
         if not calibrated:

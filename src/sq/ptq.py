@@ -69,6 +69,9 @@ def build_parser() -> ArgParser:
     p.add_argument("--allow-unmatched", action="store_true",
                    help="accept --ignore patterns and recipe rules that match no module of the model (warned "
                         "about; default: refused, as a typo would be)")
+    p.add_argument("--allow-unquantized-experts", action="store_true",
+                   help="write routed experts sq cannot quantize in full precision (named in sq_report.json's "
+                        "unquantized_experts and the summary; default: refused, before anything is written)")
     p.add_argument("--timeout", type=positive_seconds, default=job["timeout_s"], metavar="SECONDS",
                    help="collective timeout: a dead or hung rank ends the job instead of hanging it")
     p.add_argument("--ep", type=_ep, default=job["ep"], metavar="N|auto",
@@ -173,7 +176,8 @@ def config_from(a: argparse.Namespace):
                      group_size=a.group_size, nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, dataset=a.dataset,
                      ignore=tuple(a.ignore), recipe=a.recipe, timeout_s=a.timeout, ep=a.ep,
                      calibrate_all_experts=a.calibrate_all, resume=a.resume, bookkeeping=a.bookkeeping,
-                     skip_nonfinite=a.skip_nonfinite, allow_unmatched=a.allow_unmatched, verify_source=a.verify_source,
+                     skip_nonfinite=a.skip_nonfinite, allow_unmatched=a.allow_unmatched,
+                     allow_unquantized_experts=a.allow_unquantized_experts, verify_source=a.verify_source,
                      trust_remote_code=a.trust_remote_code, kv_cache=a.kv_cache, calib_dtype=a.calib_dtype,
                      int_grid=a.int_grid, target_bits=a.target_bits, search_score=a.search_score,
                      candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),

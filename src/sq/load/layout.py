@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, expert_layout_problem, expert_leaves, is_experts_module,
-                        quantization_patch, routers)
+from sq.anatomy import (EXPERT_PARAMS, carried_experts, decoder_blocks, expert_layout_problem, expert_leaves,
+                        is_experts_module, quantization_patch, routers)
 from sq.load.keymap import note_once
 from sq.load.source import TensorInfo
 
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Layout", "checkpoint_layout"]
 
+_FUSED_PARAMS = (*EXPERT_PARAMS, "up_proj")  # fused experts' projections (up_proj: up/down-only experts)
 _EXPERT_KEY = re.compile(r"^(?P<group>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)\.weight$")
 
 
@@ -67,6 +68,8 @@ class Layout:
     routers: list[str] = field(default_factory=list)  # router modules (listed in ignore, as the model path)
     notes: list[str] = field(default_factory=list)  # one line per kind of tensor carried for want of a layout
     refused: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why model-free cannot write it
+    # (model name, why) of every routed-experts module whose weights are written unquantized
+    carried_experts: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _whole(piece, shape) -> bool:
@@ -105,11 +108,11 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
             key, info = p.ckpt_key, tensors[p.ckpt_key]
             m = _EXPERT_KEY.match(key)
             if (p.stack_dim is not None and m and len(info.shape) == 2 and block is not None
-                    and is_experts_module(mod)):
+                    and (is_experts_module(mod) or _linear_slabs(mod, pname, info))):
                 lay.expert[key] = (m["group"], int(m["e"]), m["leaf"])
                 lay.names[m["group"]] = mod_name
             elif key in km.transposed:  # judged in the model's layout: carried as stored, or refused
-                if len(info.shape) == 3 and pname in EXPERT_PARAMS and mod is not None:
+                if len(info.shape) == 3 and pname in _FUSED_PARAMS and mod is not None:
                     _fused(lay, model, key, info, mod_name, pname, km.transposed[key])
                 elif isinstance(mod, nn.Linear) and pname == "weight" and block is not None and mod_name not in gates:
                     lay.refused[key] = _transposed_refusal(key, info, target, targets[target], "a quantized Linear")
@@ -118,12 +121,39 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
                   and mod_name not in gates):
                 lay.linear[key] = mod_name
                 lay.names[key.removesuffix(".weight")] = mod_name
-            elif (len(info.shape) == 3 and pname in EXPERT_PARAMS and mod is not None
+            elif (len(info.shape) == 3 and pname in _FUSED_PARAMS and mod is not None
                   and _whole(p, targets[target])):
                 _fused(lay, model, key, info, mod_name, pname)
             elif block is not None and not _whole(p, targets[target]):
                 lay.merged[key] = (target, tuple(targets[target]), p.offsets, p.lengths, p.stack_dim)
+    quantized = set(lay.names.values())
+    lay.carried_experts = [(n, why) for n, why in carried_experts(model) if n not in quantized]
     return lay
+
+
+def _linear_slabs(mod: nn.Module, pname: str, info: TensorInfo) -> bool:
+    """Routed experts sq's model path does not quantize as fused experts, but whose per-expert checkpoint
+    tensors are each one expert's ``[out, in]`` Linear (``F.linear(x, param[e])``), stacked by the conversion
+    mapping (``MergeModulelist``): up/down-only experts (Nemotron-H: ``up_proj [E, I, H]``, ``down_proj
+    [E, H, I]``) and experts beside zero-compute slots (LongCat-Flash: ``gate_up_proj [E+Z, 2I, H]``,
+    ``down_proj [E, H, I]``; the identity slots' gate / up rows are stored and loaded, never computed).
+    Model-free quantizes each such tensor as a Linear; transformers dequantizes and stacks them back."""
+    if getattr(mod, "is_transposed", False) or not getattr(mod, "is_concatenated", True):
+        return False
+    p = mod._parameters
+    up, gu, down = p.get("up_proj"), p.get("gate_up_proj"), p.get("down_proj")
+    extra = [n for n, t in p.items() if t is not None and n not in ("up_proj", "gate_up_proj", "down_proj")]
+    if down is None or down.dim() != 3 or extra or getattr(mod, "has_bias", False):
+        return False
+    e, hidden, inter = down.shape
+    if up is not None and gu is None and tuple(up.shape) == (e, inter, hidden):  # up / down only
+        want = {"up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    elif (gu is not None and up is None and gu.dim() == 3 and gu.shape[0] > e
+          and tuple(gu.shape[1:]) == (2 * inter, hidden)):
+        want = {"gate_up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # zero-compute slots beside
+    else:
+        return False
+    return tuple(info.shape) == want.get(pname)
 
 
 def _transposed_refusal(key: str, info: TensorInfo, target: str, shape, what: str) -> str:

@@ -71,6 +71,7 @@ class Plan:
     experts: dict = field(default_factory=dict)  # experts prefix -> (scheme, [out prefixes])
     unquantized: list[str] = field(default_factory=list)  # the config's ignore
     assignment: dict = field(default_factory=dict)
+    carried_experts: list = field(default_factory=list)  # (model name, why) of routed experts written unquantized
 
 
 def dtype_of(config: dict) -> torch.dtype:
@@ -168,6 +169,7 @@ def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
     else:
         for note in layout.notes:
             logger.info("model-free: %s", note)
+        plan.carried_experts = list(layout.carried_experts)
         rename = lambda name: layout.names.get(name) or base(name)  # noqa: E731
         role = lambda k, t: _role_by_layout(layout, k)  # noqa: E731
     for b in range(n):

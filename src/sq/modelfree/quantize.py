@@ -41,8 +41,9 @@ from sq.modelfree.plan import (
 )
 from sq.modelfree.reader import ReadAhead, Reader
 from sq.quant import rtn
+from sq.quant.experts import unquantized_experts_problems, unquantized_experts_report
 from sq.quant.rtn import rtn_codes
-from sq.report import block_progress
+from sq.report import block_progress, summary_lines
 from sq.run import Run, raise_all, signature
 
 logger = logging.getLogger(__name__)
@@ -295,6 +296,7 @@ def _prepare(cfg, world: int):
             problems.append("nothing to quantize: every Linear is ignored or assigned no scheme")
         # classify asked the assigner about every tensor it may quantize, by checkpoint and model name
         problems += assigner.unmatched_problems(plan.unquantized, allow=cfg.allow_unmatched)
+        problems += unquantized_experts_problems(plan.carried_experts, cfg.allow_unquantized_experts)
     problems += writer.output_path_problems(cfg.output, src)
     raise_all(problems, "checkpoint checks")
     return plan, Reader(source, layout, dtype_of(source.config)), source, assigner
@@ -431,13 +433,16 @@ def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_sta
         skip = sorted({s for ss in all_skipped for s in ss})
         report = {"mode": "model-free", "args": cfg.to_dict(), "source": str(source.root),
                   "assignment": plan.assignment, "world_size": run.world, "ignored_linears": sorted(plan.unquantized),
-                  "carried_over": plan.carried, "skipped_nonfinite": skip, "resumed_from_block": start,
+                  "carried_over": plan.carried, "skipped_nonfinite": skip,
+                  "unquantized_experts": unquantized_experts_report(plan.carried_experts), "resumed_from_block": start,
                   "seconds": round(time.perf_counter() - t_start, 3), "ranks": ranks,
                   **{k: v for k, v in predicted.items() if v}}
         if predicted.get("disk"):  # beside what is in the folder now (report and index to come)
             report["disk"] = {**predicted["disk"], "written_output_bytes": written_bytes(out)}
         run.write_final(source.config, config_groups(plan, set(skip)), sorted({*plan.unquantized, *skip}), report,
                         frags, lambda: writer.copy_side_files(source.root, out))
+        for line in summary_lines({"unquantized_experts": report["unquantized_experts"]}, only_experts=True):
+            logger.warning("%s", line.strip())
         return report
 
     return run.final(final)

@@ -19,9 +19,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from sq.anatomy import expert_mid, expert_params
 from sq.parallel.collectives import all_gather_rows, row_counts
-
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def expert_placements():
@@ -30,7 +29,7 @@ def expert_placements():
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
     """Turn the fused expert parameters (still on meta) into DTensors on the (dp, ep) mesh."""
-    for name in EXPERT_PARAMS:
+    for name in expert_params(experts):
         p = experts._parameters.get(name)
         if p is None or isinstance(p, DTensor):
             continue
@@ -59,19 +58,19 @@ def ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top
     h_all, idx_all, w_all = (all_gather_rows(t, counts, group=ep_group)
                              for t in (hidden_states, top_k_index, top_k_weights))
     out = torch.zeros(h_all.shape[0], width, dtype=hidden_states.dtype, device=hidden_states.device)
-    experts = local_expert_range(self.num_experts, mesh)
+    first = expert_params(self)[0]  # gate_up_proj, or up_proj (up/down-only experts)
+    experts = local_expert_range(self._parameters["down_proj"].shape[0], mesh)
     # [E_local, rows_dp, cols] -> [E_local, rows, cols]: this rank's experts with every row
     # cast to the tokens' dtype, as FSDP2's mixed precision casts the experts it holds (--ep 1), so
     # that ep 1 and ep > 1 compute the same
-    gate_up = all_gather_rows(self.gate_up_proj.to_local(), dim=1, group=dp_group).to(hidden_states.dtype)
+    gate_up = all_gather_rows(self._parameters[first].to_local(), dim=1, group=dp_group).to(hidden_states.dtype)
     down = all_gather_rows(self.down_proj.to_local(), dim=1, group=dp_group).to(hidden_states.dtype)
     for i, e in enumerate(experts):
         token_idx, pos = torch.where(idx_all == e)
         if token_idx.numel() == 0:
             continue
         x = h_all[token_idx]
-        gate, up = nn.functional.linear(x, gate_up[i]).chunk(2, dim=-1)
-        y = nn.functional.linear(self.act_fn(gate) * up, down[i])
+        y = nn.functional.linear(expert_mid(self, x, gate_up[i]), down[i])
         out.index_add_(0, token_idx, (y * w_all[token_idx, pos, None]).to(out.dtype))
     dist.all_reduce(out, group=ep_group)
     start = sum(counts[: mesh.get_local_rank(1)])

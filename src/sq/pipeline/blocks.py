@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import EXPERT_PARAMS
+from sq.anatomy import carried_experts, expert_params
 from sq.dist import rank_device
 from sq.errors import SqError
 from sq.export import writer
@@ -54,7 +54,7 @@ from sq.quant.attention import attention_shape, use_sdpa
 from sq.quant.algorithms import make_algorithm
 from sq.quant.work import BlockWork, Solved
 from sq.quant.experts import (SlotStats, experts_report, export_experts, export_slots, is_ep_param, segment_rows, slot_rows,
-                               take_solved)
+                               take_solved, unquantized_experts_report)
 from sq.quant.forward import CALIB_BATCH, block_forward, capture_block0
 from sq.quant.gptq import use_bf16_products
 from sq.quant.recipe import Assigner, scheme_tag
@@ -308,7 +308,7 @@ class _Pipeline:
             # only (NVFP4): one per expert and param, gate and up sharing it (vLLM fuses them)
             per_slot = not rtn.scales_follow_rows(scheme)
             slots = slot_rows(export_slots(eprefix, ex, self.weights.expert_pieces)) if per_slot else {}
-            for pname in EXPERT_PARAMS:
+            for pname in expert_params(ex):
                 p = ex._parameters[pname]
                 local, off = local_box(p)  # [n_local, rows_local, in]: rows [r0, r0 + rows_local) of each expert
                 r0 = off[1]
@@ -359,7 +359,7 @@ class _Pipeline:
         expert_q = {}
         for eprefix, ex, scheme in work.experts:
             expert_q[eprefix] = {}
-            for pname in EXPERT_PARAMS:
+            for pname in expert_params(ex):
                 local, off = local_box(ex._parameters[pname])
                 expert_q[eprefix][pname] = take_solved(
                     self.algo.solve_experts(work, eprefix, ex, pname, local, off[0], scheme), local)
@@ -434,7 +434,8 @@ class _Pipeline:
         if rank == 0 and self.rotation is not None:  # online rotations' matrices (R4), beside their Linears
             tensors.update({self._ckpt_module(f"{work.prefix}.{n}") + rel: v
                             for n, rel, v in self.rotation.online_tensors(work.block, self.weight_dtype)})
-        skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, _, _ in work.experts for f in EXPERT_PARAMS}
+        skip = {f"{l.name}.weight" for l in work.linears} | {f"{p}.{f}" for p, ex, _ in work.experts
+                                                             for f in expert_params(ex)}
         params = dict(self.model.named_parameters())
         for n in names:
             if n in skip:
@@ -525,6 +526,8 @@ class _Pipeline:
                                          cfg.calibrate_all_experts)} if self.stats.expert_tokens else {}),
             "resumed_from_block": start,
             "skipped_nonfinite": self.run.skipped,  # left unquantized: NaN/Inf weights (--skip-nonfinite)
+            # routed experts written in full precision (--allow-unquantized-experts; refused without it)
+            "unquantized_experts": unquantized_experts_report(carried_experts(self.model)),
         }
         if self.choice is not None or self.hessian:
             report["speed"] = {**(self.choice.to_dict() if self.choice is not None else {}),

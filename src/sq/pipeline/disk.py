@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sq.anatomy import EXPERT_PARAMS
+from sq.anatomy import expert_params
 from sq.files import nearest_existing
 from sq.pipeline.search import search_score, stored_tensors
 
@@ -66,7 +66,7 @@ def block_output_bytes(targets, b: int, weight_dtype: torch.dtype | None) -> int
         quantized.add(id(lin.module.weight))
         total += sum(n for _, n in stored_bytes(lin.scheme, lin.module.out_features, lin.module.in_features, dtype))
     for ex in targets.experts[b]:
-        for name in EXPERT_PARAMS:
+        for name in expert_params(ex.module):
             p = ex.module._parameters[name]
             quantized.add(id(p))
             n_experts, rows, cols = (int(d) for d in p.shape)
@@ -91,7 +91,7 @@ def predict_output_bytes(model: nn.Module, targets, weight_dtype: torch.dtype | 
                     n for _, n in stored_bytes(lin.scheme, m.out_features, m.in_features, dtype))
     for es in targets.experts:
         for ex in es:
-            for name in EXPERT_PARAMS:
+            for name in expert_params(ex.module):
                 p = ex.module._parameters[name]
                 quantized.add(id(p))
                 n_experts, rows, cols = (int(d) for d in p.shape)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sq.anatomy import EXPERT_PARAMS, experts_modules, partner_groups
+from sq.anatomy import expert_params, experts_modules, partner_groups
 from sq.memory import HEAP_KEEP, HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD
 from sq.pipeline.disk import block_output_bytes, size
 from sq.quant.attention import attention_shape
@@ -144,7 +144,7 @@ def block_shape(block: nn.Module, linears, experts) -> BlockShape:
     accumulators = tuple((shapes[g[0]][0], sum(shapes[n][1] for n in g)) for g in partner_groups(list(shapes)))
     ex_shapes = []
     for ex in experts:
-        gu, down = (ex.module._parameters[n] for n in EXPERT_PARAMS)
+        gu, down = (ex.module._parameters[n] for n in expert_params(ex.module))
         ex_shapes.append((int(down.shape[0]), int(gu.shape[-1]), int(down.shape[-1])))
     widest = max([max(s) for s in shapes.values()] + [2 * s[2] for s in ex_shapes] + [1])
     return BlockShape(params, tuple(shapes.values()), accumulators, tuple(ex_shapes), widest)

@@ -111,7 +111,7 @@ def machine_rates(model, targets, algo, *, calibrated: bool, nsamples: int, seql
     call routes to each."""
     import math
 
-    from sq.anatomy import EXPERT_PARAMS, experts_modules
+    from sq.anatomy import expert_params, experts_modules
     from sq.pipeline.timing import probe_rates, top_k_of
     from sq.quant.forward import CALIB_BATCH
 
@@ -122,7 +122,7 @@ def machine_rates(model, targets, algo, *, calibrated: bool, nsamples: int, seql
     experts = None
     moe = [ex for _, blk in targets.blocks for _, ex in experts_modules(blk)][:1]
     if moe:  # a call's tokens (over the --ep group, which gathers them) at top-k of the experts
-        gu, down = (moe[0]._parameters[n] for n in EXPERT_PARAMS)
+        gu, down = (moe[0]._parameters[n] for n in expert_params(moe[0]))
         tokens = min(math.ceil(nsamples / world), CALIB_BATCH) * seqlen * (ep if ep > 1 else 1)
         experts = (max(8, tokens * top_k_of(config) // int(down.shape[0])), int(gu.shape[-1]), int(down.shape[-1]))
     return probe_rates(shapes=shapes, heads=heads if isinstance(heads, int) and heads > 0 else 8, seqlen=seqlen,

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 
-from sq.anatomy import decoder_blocks, is_experts_module
+from sq.anatomy import decoder_blocks, expert_params, is_experts_module
 from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.parallel.collectives import full_tensor
@@ -411,7 +411,7 @@ class Rotation:
         for name, (m, norm) in readers.items():
             g = scales[norm] if norm is not None else None
             if is_experts_module(m):
-                _map_local(m._parameters["gate_up_proj"], lambda w: rotate_input(w, q, g))
+                _map_local(m._parameters[expert_params(m)[0]], lambda w: rotate_input(w, q, g))
                 down = m._parameters["down_proj"]
                 local, off = local_box(down)
                 whole_rows = full_expert_rows(local, down)  # [n_local, H, I]: rows gathered in the dp group

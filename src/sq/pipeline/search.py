@@ -57,7 +57,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from sq.anatomy import EXPERT_PARAMS
+from sq.anatomy import expert_params
 from sq.errors import SqError
 from sq.files import write_bytes_atomic
 from sq.formats.compressed import compress_weight
@@ -121,7 +121,7 @@ def _bits(scheme: QuantScheme, out_features: int, in_features: int, dtype: torch
 def _expert_shapes(ex) -> list[tuple[int, int]]:
     """Every expert's two projections, ``[out, in]`` each (``E x`` gate/up then down), as a unit's shapes."""
     n_experts = ex._parameters["down_proj"].shape[0]
-    return [tuple(int(d) for d in ex._parameters[pn].shape[1:]) for pn in EXPERT_PARAMS] * n_experts
+    return [tuple(int(d) for d in ex._parameters[pn].shape[1:]) for pn in expert_params(ex)] * n_experts
 
 
 def effective_bits(scheme: QuantScheme, out_features: int, in_features: int,
@@ -316,7 +316,7 @@ def _score_block(block, linears, experts, schemes, inputs, steps, dummy, autocas
     def experts_rtn(ex, scheme):
         def quantize():  # row-local schemes only (_allowed_experts): each local expert's rows alone
             saved = []
-            for pname in EXPERT_PARAMS:
+            for pname in expert_params(ex):
                 local, _ = local_box(ex._parameters[pname])
                 saved.append((local, local.detach().clone()))
                 for i in range(local.shape[0]):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sq.anatomy import (EXPERT_PARAMS, decoder_blocks, experts_modules, quantized_init_problems,
+from sq.anatomy import (carried_experts, decoder_blocks, expert_params, experts_modules, quantized_init_problems,
                         quantized_layout_problems, routers)
 from sq.errors import SqError
 from sq.formats import specs
@@ -19,7 +19,7 @@ from sq.load.fill import local_box
 from sq.quant import rtn
 from sq.quant.activations import kv_cache_problems
 from sq.quant.algorithms import Algorithm
-from sq.quant.experts import export_slots
+from sq.quant.experts import export_slots, unquantized_experts_problems
 from sq.quant.recipe import Assigner, scheme_tag
 from sq.quant.work import ExpertGroup, Linear
 
@@ -84,7 +84,7 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
         for n, ex in experts_modules(block):
             e, hidden, inter = ex._parameters["down_proj"].shape
             scheme = assigner.assign(f"{prefix}.{n}")
-            for pname, width in (("gate_up_proj", hidden), ("down_proj", inter)):
+            for pname, width in ((expert_params(ex)[0], hidden), ("down_proj", inter)):
                 try:
                     if scheme is not None:
                         check_group_size(f"{prefix}.{n}.{pname}", width, scheme)
@@ -100,6 +100,7 @@ def model_problems(model, cfg, assigner: Assigner, algo: Algorithm, targets: Tar
     problems += quantized_layout_problems(model)
     first = targets.linears[0] if targets.linears else []
     problems += quantized_init_problems(model, [(lin.name, lin.module) for lin in first])
+    problems += model_experts_problems(model, cfg.allow_unquantized_experts)
     problems += row_shard_problems(targets)
     problems += kv_cache_problems(targets.blocks, cfg.kv_cache)
     problems += algo.refusals(model, assigner, world, cfg.ep)
@@ -123,6 +124,24 @@ def ep_problems(ep: int | None, world: int) -> list[str]:
             f"give one of {', '.join(map(str, divisors))}, or --ep auto"]
 
 
+# the carried layouts model-free quantizes per expert (sq.load.layout._linear_slabs)
+_MODEL_FREE_QUANTIZES = ("up/down-only experts", "zero-compute or identity experts")
+
+
+def model_experts_problems(model: nn.Module, allow: bool) -> list[str]:
+    """The refusal for routed experts the model path would carry in full precision, one line per cause
+    (``--allow-unquantized-experts``: none; they are logged, and the report and summary name them)."""
+    by_reason: dict[str, list[tuple[str, str]]] = {}
+    for name, why in carried_experts(model):
+        by_reason.setdefault(why, []).append((name, why))
+    problems = []
+    for why, carried in by_reason.items():
+        hint = ("; or quantize them model-free (--model-free --algo rtn), which quantizes these experts per expert"
+                if any(k in why for k in _MODEL_FREE_QUANTIZES) else "")
+        problems += unquantized_experts_problems(carried, allow, hint)
+    return problems
+
+
 def row_shard_problems(targets: Targets) -> list[str]:
     """The row-independence contract, enforced: every rank quantizes only its rows, so a scheme whose
     scales read statistics across rows must declare them as reductions (``sq.formats.specs``; the
@@ -142,11 +161,11 @@ def row_shard_problems(targets: Targets) -> list[str]:
 
 def nonfinite(linears: list[Linear], experts, device) -> list[str]:
     """The block's quantized weights holding NaN or Inf on any rank (collective; the same list on every rank)."""
-    names = [l.name for l in linears] + [f"{e}.{p}" for e, _, _ in experts for p in EXPERT_PARAMS]
+    names = [l.name for l in linears] + [f"{e}.{p}" for e, ex, _ in experts for p in expert_params(ex)]
     if not names:
         return []
     local = [local_box(l.module.weight)[0] for l in linears]
-    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in EXPERT_PARAMS]
+    local += [local_box(ex._parameters[p])[0] for _, ex, _ in experts for p in expert_params(ex)]
     flags = torch.tensor([not rtn.all_finite(t) for t in local], dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [n for n, f in zip(names, flags.tolist()) if f]

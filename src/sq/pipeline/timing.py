@@ -510,11 +510,11 @@ def read_bytes(model, plan, *, world: int, ep: int, ranks) -> dict[int, dict]:
     ``{"root": n, "root_pieces": k, "blocks": [n per block], "pieces": [k per block], "fp8": [e per block]}``.  Dense parameters are FSDP2's dim-0 chunks over the world, buffers whole;
     experts under ``--ep`` split by expert over the ep ranks and by row over dp (``sq.parallel.expert``);
     an FP8 weight's box reads the scale blocks it touches too."""
-    from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
+    from sq.anatomy import decoder_blocks, expert_params, experts_modules
     from sq.load.fp8 import scale_box
 
-    expert_names = {f"{prefix}.{n}.{p}" for prefix, blk in decoder_blocks(model) for n, _ in experts_modules(blk)
-                    for p in EXPERT_PARAMS} if ep > 1 else set()
+    expert_names = {f"{prefix}.{n}.{p}" for prefix, blk in decoder_blocks(model) for n, ex in experts_modules(blk)
+                    for p in expert_params(ex)} if ep > 1 else set()
     buffers = {n for n, _ in model.named_buffers()}  # not sharded: every rank reads them whole
     dp = world // ep
     tensors = plan.source.tensors

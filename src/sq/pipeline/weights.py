@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from sq.agree import verified_identity
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
+from sq.anatomy import decoder_blocks, expert_params, experts_modules
 from sq.errors import SqError
 from sq.export import writer
 from sq.files import CARRIED_NAME
@@ -196,10 +196,10 @@ class ModelWeights:
                                DeviceMesh(lay.mesh.device_type, torch.tensor(lay.ranks).reshape(lay.dp, lay.ep),
                                           mesh_dim_names=("dp", "ep")))
             mesh = meshes[key]
-            saved = {"params": {k: ex._parameters[k] for k in EXPERT_PARAMS},
+            saved = {"params": {k: ex._parameters[k] for k in expert_params(ex)},
                      "forward": ex.__dict__.get("forward"), "mesh": ex.__dict__.get("_sq_ep_mesh")}
             self._saved.append((ex, saved))
-            for k in EXPERT_PARAMS:
+            for k in expert_params(ex):
                 p = ex._parameters[k]
                 local = p.to_local()
                 view = DTensor.from_local(local, mesh, (Shard(1), Shard(0)), run_check=False,
@@ -325,7 +325,7 @@ def _fsdp_managed(model: nn.Module) -> set[int]:
 def _expert_layout(name: str, ex: nn.Module, managed: set[int], world: int) -> tuple[_EPLayout | None, list[str]]:
     """How ``ex``'s fused experts are held: FSDP2 with their block (None), or the caller's expert
     parallelism (an ``_EPLayout``); or the problems that make the layout one sq cannot quantize."""
-    params = [(k, ex._parameters[k]) for k in EXPERT_PARAMS]
+    params = [(k, ex._parameters[k]) for k in expert_params(ex)]
     what = lambda k, p: (f"{name}.{k}: {type(p).__name__} "  # noqa: E731
                          f"{tuple(p.placements) if isinstance(p, DTensor) else ''} "
                          f"{'on mesh ' + str(p.device_mesh.mesh_dim_names or '') + ' ' + str(tuple(p.device_mesh.shape)) if isinstance(p, DTensor) else ''}".rstrip())
@@ -369,7 +369,7 @@ def _expert_layout(name: str, ex: nn.Module, managed: set[int], world: int) -> t
         native = mesh.mesh_dim_names == ("dp", "ep") and tuple(p.placements) == (Shard(1), Shard(0))
         layouts.append(_EPLayout(mesh, ranks, dp, ep, native))
     if layouts[0].ranks != layouts[1].ranks or (layouts[0].dp, layouts[0].ep) != (layouts[1].dp, layouts[1].ep):
-        return None, [f"{name}: gate_up_proj and down_proj are placed differently ({what(*params[0])}; "
+        return None, [f"{name}: {params[0][0]} and down_proj are placed differently ({what(*params[0])}; "
                       f"{what(*params[1])}); shard both the same way"]
     return layouts[0], []
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from sq.anatomy import is_experts_module
+from sq.anatomy import EXPERT_PARAMS, expert_params, is_experts_module
 from sq.quant.settings import AlgoConfig, option
 
 __all__ = ["AWQConfig", "Mapping", "block_mappings", "grid", "candidate_scales", "weight_means",
@@ -142,6 +142,9 @@ def _gated(block: nn.Module, prefix: str) -> list[Mapping] | None:
 def _mlp_mappings(block: nn.Module, kind: str) -> tuple[list[Mapping], list[str]]:
     mlp = block.get_submodule("mlp")
     experts = [n for n, m in mlp.named_modules() if is_experts_module(m)]
+    if experts and expert_params(mlp.get_submodule(experts[0])) != EXPERT_PARAMS:
+        return [], [f"--algo awq: {kind}.mlp.{experts[0]} are up/down-only experts (no gate rows to smooth with "
+                    "their up rows); AWQ has no mapping for them: use --algo gptq or rtn"]
     if not experts:
         down = _gated(block, "mlp")
         if down is None:

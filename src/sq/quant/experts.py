@@ -16,6 +16,7 @@ no token falls back to RTN and is counted.
 
 from __future__ import annotations
 
+import logging
 import types
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from sq.anatomy import EXPERT_PARAMS, expert_leaves
+from sq.anatomy import expert_leaves, expert_mid, expert_params
 from sq.errors import SqError
 from sq.load.fill import local_box
 from sq.load.keymap import Piece
@@ -33,13 +34,15 @@ from sq.formats.specs import ActivationObserver
 from sq.quant import rtn
 from sq.quant.gptq import GPTQ
 
+logger = logging.getLogger(__name__)
+
 
 
 @dataclass
 class ExpertSlot:
     """One exported expert projection: rows ``[lo, hi)`` of ``param[e]`` -> checkpoint prefix."""
 
-    param: str  # "gate_up_proj" | "down_proj"
+    param: str  # "gate_up_proj" (or "up_proj": up/down-only experts) | "down_proj"
     expert: int
     lo: int
     hi: int
@@ -58,7 +61,7 @@ def export_slots(prefix: str, experts: nn.Module, pieces: dict[str, list[Piece]]
     """
     pieces = pieces or {}
     slots = []
-    for pname in EXPERT_PARAMS:
+    for pname in expert_params(experts):
         target = f"{prefix}.{pname}"
         p = experts._parameters[pname]
         n_exp, rows = p.shape[0], p.shape[1]
@@ -191,10 +194,10 @@ class ExpertCalibration:
             if not len(calib.mine) or h_all.shape[0] == 0:
                 return out
             h_fp = calib.fp_h if pairs else None
-            p = module.gate_up_proj
-            gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I, H]
+            p = module._parameters[expert_params(module)[0]]  # gate_up_proj, or up_proj (up/down-only)
+            gate_up = full_expert_rows(p.to_local(), p) if is_ep_param(p) else p  # [E_local, 2I (I), H]
             gate_up = gate_up.to(h_all.dtype)  # as the experts' own forward computes (sq.parallel.expert)
-            first = calib.mine.start if is_ep_param(module.gate_up_proj) else 0
+            first = calib.mine.start if is_ep_param(p) else 0
             if calib.calibrate_all and calib.hessians:
                 calib.h_in[calib.mine.start].add_batch(h_all, h_fp)  # the one shared accumulator
             if calib.calibrate_all and calib.absmax:
@@ -209,8 +212,7 @@ class ExpertCalibration:
                 if x.shape[0] == 0:
                     continue
                 w = gate_up[e - first]
-                gate, up = nn.functional.linear(x, w).chunk(2, dim=-1)
-                mid = module.act_fn(gate) * up
+                mid = expert_mid(module, x, w)
                 if not calib.calibrate_all:
                     if calib.hessians:
                         calib.h_in[e].add_batch(x)
@@ -219,8 +221,7 @@ class ExpertCalibration:
                 if calib.hessians:
                     mid_fp = None
                     if h_fp is not None:  # the same expert on the full-precision chain's tokens
-                        gate, up = nn.functional.linear(h_fp, w).chunk(2, dim=-1)
-                        mid_fp = module.act_fn(gate) * up
+                        mid_fp = expert_mid(module, h_fp, w)
                     calib.h_mid[e].add_batch(mid, mid_fp)
                 if calib.absmax:
                     torch.maximum(calib.amax_mid[e], _absmax(mid), out=calib.amax_mid[e])
@@ -289,7 +290,7 @@ def export_experts(eprefix: str, ex: nn.Module, qdata: dict, pieces, scheme, act
     dp_rank, dp = (p0.device_mesh.get_local_rank(0), p0.device_mesh.size(0)) if is_ep_param(p0) else (0, 1)
     follow = rtn.scales_follow_rows(scheme)
     full = {}
-    for pname in EXPERT_PARAMS:
+    for pname in expert_params(ex):
         p = ex._parameters[pname]
         q, scale, zp, gs = qdata[pname]
         if q is None:
@@ -327,3 +328,31 @@ def experts_report(tokens: dict[str, dict[int, tuple[int, int]]], rtn_names: lis
         modules[eprefix] = {"routed": [per.get(e, (0, 0))[0] for e in range(n)],
                             "calibrated": [per.get(e, (0, 0))[1] for e in range(n)]}
     return {"policy": policy, "rtn": rtn_names, "tokens": modules}
+
+
+ALLOW_UNQUANTIZED_EXPERTS = "--allow-unquantized-experts"
+
+
+def unquantized_experts_problems(carried: list[tuple[str, str]], allow: bool, hint: str = "") -> list[str]:
+    """The refusal for routed experts sq would write in full precision (``carried``: ``(module, why)``, as
+    ``sq.anatomy.carried_experts`` gives them), one line per cause; [] under ``allow``
+    (``--allow-unquantized-experts``: logged, and the report and summary name them).  Routed experts hold most of
+    an MoE's weights: a "W4A16" output with them in bf16 is not what the user asked for.  ``hint``: what else
+    the caller's path offers, appended to each line."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in carried:
+        by_reason.setdefault(why, []).append(name)
+    if allow:
+        for why, names in by_reason.items():
+            logger.warning("routed experts left unquantized (%s): %d module(s), e.g. %s: %s", ALLOW_UNQUANTIZED_EXPERTS,
+                           len(names), names[0], why)
+        return []
+    return [f"routed experts sq cannot quantize: {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} "
+            f"({why}); they would be written in full precision beside quantized Linears. Pass "
+            f"{ALLOW_UNQUANTIZED_EXPERTS} (sq.quantize: allow_unquantized_experts=True) to write them so{hint}"
+            for why, names in by_reason.items()]
+
+
+def unquantized_experts_report(carried: list[tuple[str, str]]) -> list[dict]:
+    """``sq_report.json``'s ``unquantized_experts``: every routed-experts module written in full precision."""
+    return [{"module": name, "reason": why} for name, why in carried]

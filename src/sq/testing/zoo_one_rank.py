@@ -30,7 +30,7 @@ MODES = {
 
 def main(root: Path, types: list[str], modes: list[str] | None = None) -> None:
     from sq.ptq import main as ptq
-    from sq.testing.zoo import check_output, check_rotated
+    from sq.testing.zoo import ZOO, check_output, check_rotated
 
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(var, None)  # one rank, a private in-memory store: no port bound and released per run
@@ -43,10 +43,12 @@ def main(root: Path, types: list[str], modes: list[str] | None = None) -> None:
             err = io.StringIO()
             handler = logging.StreamHandler(err)  # sq's log lines: what was carried and why
             logging.getLogger("sq").addHandler(handler)
+            # types whose experts sq carries: the run says so (refused without the flag)
+            allow = ["--allow-unquantized-experts"] if ZOO[t].allow_carried(mode == "model-free") else []
             with contextlib.redirect_stderr(err):
                 try:
                     rc = ptq(["--model", str(src), "--output", str(out), "--scheme", "W4A16", "--group-size", "8",
-                              *args])
+                              *args, *allow])
                 except Exception:  # noqa: BLE001 - a raw traceback is a finding: reported, the matrix goes on
                     traceback.print_exc()
                     rc = "raised"

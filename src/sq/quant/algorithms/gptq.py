@@ -364,10 +364,10 @@ class GPTQAlgorithm(Algorithm):
         """Expert ``e``'s accumulator for ``pname``; None where it saw no token (RTN; a gate/up so
         solved is reported as a fallback)."""
         calib = work.state["calibs"].get(id(ex))
-        g = (calib.h_in if pname == "gate_up_proj" else calib.h_mid)[e] if calib is not None else None
+        g = (calib.h_in if pname != "down_proj" else calib.h_mid)[e] if calib is not None else None
         if g is not None and g.nsamples == 0:
             g = None
-            if pname == "gate_up_proj":
+            if pname != "down_proj":  # the input side (gate_up_proj, or up_proj of up/down-only experts)
                 work.state.setdefault("fallback", []).append(f"{eprefix}.{e}")
         return g
 
@@ -381,7 +381,7 @@ class GPTQAlgorithm(Algorithm):
         if not (local.shape[0] and local.shape[1]):
             yield from super().solve_experts(work, eprefix, ex, pname, local, first, scheme)
             return
-        if not (pname == "gate_up_proj" and shared is not None and shared.nsamples):
+        if not (pname != "down_proj" and shared is not None and shared.nsamples):
             yield from self._solve_each(work, eprefix, ex, pname, local, first, scheme)
             return
         # One Hessian for every expert (calibrate-all): GPTQ's rows are independent given it, so

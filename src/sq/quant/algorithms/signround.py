@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from sq.load.fill import local_box
-from sq.anatomy import EXPERT_PARAMS, decoder_blocks, experts_modules
+from sq.anatomy import decoder_blocks, expert_params, experts_modules
 from sq.quant.algorithms.base import RTN_PASSES, Algorithm, register, rtn_cost
 from sq.quant.work import BlockWork, Cost, Solved
 from sq.quant.recipe import scheme_tag
@@ -58,7 +58,7 @@ class SignRoundAlgorithm(Algorithm):
             slots[lin.name] = TunedWeight(lin.name, lin.module, "weight", lin.scheme, local,
                                    dim0_counts(lin.module.out_features, work.world), work.linear_stats.get(lin.name))
         for eprefix, ex, scheme in work.experts:
-            for pname in EXPERT_PARAMS:
+            for pname in expert_params(ex):
                 p = ex._parameters[pname]
                 local, _ = local_box(p)
                 segs = work.expert_stats.get((eprefix, pname))
