@@ -88,3 +88,33 @@ def test_carried_experts_refused_unless_allowed(zoo, mode):
     with pytest.raises(AssertionError, match="routed expert weight"):
         check_output(src["granitemoe"], out, carried_experts=False)
     check_output(src["granitemoe"], out)  # the zoo entry names why granitemoe's experts are carried
+
+
+@pytest.fixture(scope="module")
+def dbrx(tmp_path_factory) -> Path:
+    """A tiny DBRX: its experts are 2-D ``[E * I, H]`` parameters (``w1`` / ``v1`` / ``w2``) of one
+    ``DbrxExpertGLU`` module per block, beside a ``router.layer`` Linear with E outputs."""
+    import torch
+
+    from sq.synthetic import build_checkpoint
+
+    cfg = dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=528, tie_word_embeddings=False,
+               attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+               ffn_config=dict(moe_num_experts=4, ffn_hidden_size=48, moe_top_k=2))
+    return build_checkpoint(tmp_path_factory.mktemp("dbrx") / "src", "dbrx", cfg, seed=0, dtype=torch.float32,
+                            shards=2, tokenizer_vocab_size=512)[0]
+
+
+@pytest.mark.parametrize("mode", ["gptq", "model-free"])
+def test_experts_in_2d_parameters_of_their_own_refused_by_name(dbrx, tmp_path, mode):
+    """DBRX quantized its attention (and its router) and wrote its experts in bf16 with exit 0; now refused
+    on every rank, on both paths, naming the module and its parameters, nothing written."""
+    args, nproc = (GPTQ, 2) if mode == "gptq" else (RTN_MODEL_FREE, 1)
+    out = tmp_path / "out"
+    res = _ptq(dbrx, out, args, nproc, stop_on_failure=False)
+    assert res.returncode != 0 and all(c == 2 for c in res.codes), res.output[-3000:]
+    assert "Traceback" not in res.output, res.output[-3000:]
+    assert "routed experts sq cannot quantize: transformer.blocks.0.ffn.experts.mlp and 1 more" in res.stderr, \
+        res.stderr[-3000:]
+    assert "DbrxExpertGLU keeps its experts in 2-D parameters" in res.stderr
+    assert not out.exists()

@@ -179,13 +179,24 @@ def experts_modules(block: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def carried_experts(model: nn.Module) -> list[tuple[str, str]]:
-    """``(name, reason)`` of every fused-experts module left unquantized (carried as it is)."""
+    """``(name, reason)`` of every routed-experts module of the decoder blocks left unquantized (carried as it
+    is): fused experts not in sq's layout, and expert modules that keep their experts in 2-D parameters of their
+    own (DBRX's ``experts.mlp`` ``w1`` / ``v1`` / ``w2``, ``[E * I, H]``), which no per-expert layout loads.  A
+    3-D tensor outside the decoder blocks (a vision tower's position table) is not an expert."""
     out = []
-    for name, mod in model.named_modules():
-        if _three_d(mod):
-            why = getattr(mod, "_sq_carried_reason", None) or expert_layout_problem(mod)
-            if why is not None:
-                out.append((name, why))
+    for prefix, block in decoder_blocks(model):
+        for rel, mod in block.named_modules():
+            name = f"{prefix}.{rel}" if rel else prefix
+            if _three_d(mod):
+                why = getattr(mod, "_sq_carried_reason", None) or expert_layout_problem(mod)
+                if why is not None:
+                    out.append((name, why))
+            elif (not isinstance(mod, nn.Linear) and "expert" in type(mod).__name__.lower()
+                  and any(p is not None and p.dim() == 2 for p in mod._parameters.values())):
+                shapes = {k: list(p.shape) for k, p in mod._parameters.items() if p is not None}
+                out.append((name, f"{type(mod).__name__} keeps its experts in 2-D parameters of its own ({shapes}), "
+                                  "not per-expert Linears nor fused [E, ., .] tensors: no per-expert layout of them "
+                                  "loads quantized"))
     return out
 
 
