@@ -103,11 +103,18 @@ def test_decoder_stack_found_by_structure(model_type, stack):
 @pytest.mark.parametrize("model_type,words", [("falcon", "transformer.h.0.self_attention.query_key_value"),
                                               ("gpt_bigcode", "transformer.h.0.attn.c_proj")])
 def test_unloadable_quantized_layout_refused_by_name(model_type, words, tmp_path):
+    """On the model path and model-free alike (model-free wrote such outputs with exit 0)."""
     src = build_checkpoint(tmp_path / "src", model_type, _STACKS[model_type], seed=0, dtype=torch.float32, shards=1,
                            tokenizer_vocab_size=512)[0]
-    out = tmp_path / "out"
-    res = run_cli(_gptq(src, out, 1), 2, timeout=240, stop_on_failure=False)
-    assert all(c == 2 for c in res.codes), res.output[-3000:]
-    assert "Traceback" not in res.output and res.stderr.count("sq: error:") == 1, res.stderr[-3000:]
-    assert words in res.stderr and "transformers cannot load a quantized checkpoint" in res.stderr, res.stderr
-    assert not out.exists() or not any(out.iterdir())
+    for mode, argv in (("gptq", _gptq(src, tmp_path / "out", 1)),
+                       ("model-free", ["sq.ptq", "--model", str(src), "--output", str(tmp_path / "out-mf"),
+                                       "--scheme", "W4A16", "--algo", "rtn", "--group-size", "16", "--model-free"])):
+        out = Path(argv[argv.index("--output") + 1])
+        res = run_cli(argv, 2, timeout=240, stop_on_failure=False)
+        assert all(c == 2 for c in res.codes), (mode, res.output[-3000:])
+        assert "Traceback" not in res.output and res.stderr.count("sq: error:") == 1, (mode, res.stderr[-3000:])
+        # (the model path names the first block's first Linear; model-free its Linears in key order: the
+        # --ignore names every leaf either way)
+        assert (words if mode == "gptq" else words.rpartition(".")[2]) in res.stderr, (mode, res.stderr)
+        assert "transformers cannot load a quantized checkpoint" in res.stderr, (mode, res.stderr)
+        assert not out.exists() or not any(out.iterdir()), mode

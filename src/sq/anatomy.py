@@ -344,6 +344,12 @@ def quantized_init_problems(model: nn.Module, linears: list[tuple[str, nn.Module
     Linear does not have (Falcon's ``FalconLinear``, GPT-BigCode's ``c_proj``), so loading the output fails.
     Proven by running that ``_init_weights`` with each weight taken away, on meta parameters only (real
     weights are never touched: an in-memory model is not probed)."""
+    return quantized_init_refusal(type(model).__name__, quantized_init_failing(model, linears))
+
+
+def quantized_init_failing(model: nn.Module, linears: list[tuple[str, nn.Module]]) -> list[str]:
+    """The names of ``linears`` whose quantized form the model's ``_init_weights`` cannot load
+    (:func:`quantized_init_problems`' probe)."""
     init = getattr(model, "_init_weights", None)
     if init is None:
         return []
@@ -366,10 +372,15 @@ def quantized_init_problems(model: nn.Module, linears: list[tuple[str, nn.Module
                     break
         finally:
             lin._parameters["weight"] = w
+    return failing
+
+
+def quantized_init_refusal(model_class: str, failing: list[str]) -> list[str]:
+    """:func:`quantized_init_failing`'s finding as the refusal, with the ``--ignore`` that keeps them."""
     if not failing:
         return []
     leaves = sorted({n.rpartition(".")[2] for n in failing})
-    return [f"{type(model).__name__}: transformers cannot load a quantized checkpoint of it: its _init_weights "
+    return [f"{model_class}: transformers cannot load a quantized checkpoint of it: its _init_weights "
             f"reads .weight of {failing[0]}{f' and {len(failing) - 1} more' if len(failing) > 1 else ''}, which a "
             f"quantized (compressed-tensors) Linear does not have; keep them unquantized with "
             f"--ignore 're:.*\\.({'|'.join(leaves)})$'"]

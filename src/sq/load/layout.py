@@ -37,7 +37,7 @@ from pathlib import Path
 import torch.nn as nn
 
 from sq.anatomy import (EXPERT_PARAMS, carried_experts, decoder_blocks, expert_layout_problem, expert_leaves,
-                        is_experts_module, quantization_patch, routers)
+                        is_experts_module, quantization_patch, quantized_init_failing, routers)
 from sq.load.keymap import note_once
 from sq.load.source import TensorInfo
 
@@ -70,6 +70,9 @@ class Layout:
     refused: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why model-free cannot write it
     # (model name, why) of every routed-experts module whose weights are written unquantized
     carried_experts: list[tuple[str, str]] = field(default_factory=list)
+    # the block Linears (model names) whose quantized form the model's _init_weights cannot load (Falcon)
+    init_failing: list[str] = field(default_factory=list)
+    model_class: str = ""
 
 
 def _whole(piece, shape) -> bool:
@@ -128,6 +131,8 @@ def checkpoint_layout(root: str | Path, tensors: dict[str, TensorInfo]) -> Layou
                 lay.merged[key] = (target, tuple(targets[target]), p.offsets, p.lengths, p.stack_dim)
     quantized = set(lay.names.values())
     lay.carried_experts = [(n, why) for n, why in carried_experts(model) if n not in quantized]
+    lay.model_class = type(model).__name__
+    lay.init_failing = quantized_init_failing(model, [(n, modules[n]) for n in sorted(set(lay.linear.values()))])
     return lay
 
 

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from sq.errors import SqError
+from sq.anatomy import quantized_init_refusal
 from sq.formats.primitives import PerBlock
 from sq.formats.schemes import check_group_size
 from sq.formats.specs import spec_for
@@ -178,6 +179,7 @@ def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
         quantized = {rename(nm) for nm in plan.dense}
         plan.unquantized = sorted({*(nm for nm in layout.linears if nm not in quantized), *layout.routers,
                                    *plan.unquantized})
+        problems += quantized_init_refusal(layout.model_class, [n for n in layout.init_failing if n in quantized])
     return plan, problems
 
 
