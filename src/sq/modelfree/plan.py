@@ -142,8 +142,10 @@ def classify(source, assigner, fp8_scales: set[str]) -> tuple[Plan, list[str]]:
             counts[m["prefix"]] = counts.get(m["prefix"], 0) + t.nbytes
             ends[m["prefix"]] = max(ends.get(m["prefix"], 0), int(m["i"]) + 1)
     n_layers = _num_layers(source.config)
-    # lists as long as the config's layers (MTP layers past them included) before any other (a VLM's mergers)
-    counts = {p: n for p, n in counts.items() if n_layers is None or ends[p] >= n_layers} or counts
+    # a list exactly as long as the config's layers, else one longer (MTP layers past them), before any other (a
+    # VLM's mergers: Qwen3-VL's three deepstack mergers outweigh a tiny two-layer text model)
+    counts = ({p: n for p, n in counts.items() if ends[p] == n_layers}
+              or {p: n for p, n in counts.items() if n_layers is None or ends[p] >= n_layers} or counts)
     prefix = max(counts, key=counts.get) if counts else None
     layers: dict[int, list[str]] = {}
     root, carried, problems = [], [], []
