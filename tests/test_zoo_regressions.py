@@ -31,6 +31,8 @@ VARIANTS = [
     ("kimi-fp32-state", "kimi_linear", {}, torch.bfloat16, ("A_log", "dt_bias"), 2),
     # full-attention layers with their own head size: AmbiguousGlobalPerLayerAttributeError on head_dim
     ("gemma4-global-head", "gemma4_text", {"global_head_dim": 32}, torch.float32, (), 1),
+    # no shared experts: zero-width shared-expert Linears (a raw reshape / unpad RuntimeError on both paths)
+    ("dsv3-no-shared-experts", "deepseek_v3", {"n_shared_experts": 0}, torch.float32, (), 2),
 ]
 
 
@@ -75,6 +77,11 @@ def test_variant_quantizes(vid, model_type, overrides, dtype, fp32, ep, tmp_path
     # a bf16 source's reference weights round to bf16 where the output's do not: bf16's error on the logits
     check_output(src, out, atol=2e-3 if dtype == torch.bfloat16 else 1e-4)
     shutil.rmtree(out)
+    if vid == "dsv3-no-shared-experts":  # model-free too
+        res = run_cli(["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "W4A16", "--algo", "rtn",
+                       "--group-size", "8", "--model-free"], 2, timeout=240)
+        assert res.returncode == 0, res.output[-4000:]
+        check_output(src, out)
 
 
 _STACKS = {

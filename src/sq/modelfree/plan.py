@@ -244,6 +244,9 @@ def _classify_layer(plan: Plan, b: int, keys: list[str], tensors, assigner, rena
         elif r[0] == "router":
             plan.unquantized.append(rename(k.removesuffix(".weight")))
             kept.append(k)
+        elif r[0] == "dense" and t.nbytes == 0:  # a zero-width Linear (no shared experts): nothing to quantize
+            plan.unquantized.append(rename(k.removesuffix(".weight")))
+            kept.append(k)
         elif r[0] == "dense":
             dense[k.removesuffix(".weight")] = k
         elif r[0] == "kept":

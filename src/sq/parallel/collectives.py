@@ -64,8 +64,13 @@ def row_counts(n: int, group=None, device: torch.device | str = "cpu") -> list[i
 
 
 def full_tensor(t: Tensor) -> Tensor:
-    """The whole tensor: a DTensor's ``full_tensor()`` (a collective), any other tensor as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole tensor: a DTensor's ``full_tensor()`` (a collective), any other tensor as it is.  A DTensor with
+    no elements (a zero-width Linear's weight) is its empty global shape, no collective (every rank knows it)."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+    return t.full_tensor()
 
 
 # ---------------------------------------------------------------- bytes on the wire

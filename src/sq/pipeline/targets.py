@@ -55,7 +55,9 @@ def plan_targets(model: nn.Module, assigner: Assigner, weights, world: int) -> T
         mine = []
         for n, m in block.named_modules():
             full = f"{prefix}.{n}"
-            scheme = assigner.assign(full) if isinstance(m, nn.Linear) and full not in gates else None
+            # (a zero-width Linear -- DeepSeek-V3's shared experts at n_shared_experts 0 -- has nothing to quantize)
+            scheme = (assigner.assign(full) if isinstance(m, nn.Linear) and full not in gates
+                      and m.in_features and m.out_features else None)
             if scheme is not None:
                 ck = weights.ckpt_name(f"{full}.weight")
                 mine.append(Linear(full, m, ck.removesuffix("weight"), k % world, scheme))  # round-robin writers
