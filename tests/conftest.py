@@ -8,6 +8,19 @@ import pytest
 
 from sq.testing.checkpoints import CheckpointFactory
 
+_SLOW = Path(__file__).with_name("slow.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier (``-m "not slow"``): every test or file ``tests/slow.txt`` lists is marked ``slow``
+    (``bench/test_tiers.py`` regenerates the list from a timed run)."""
+    listed = {ln.strip() for ln in _SLOW.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    files = {n for n in listed if "::" not in n}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if item.nodeid in listed or path in files or f"tests/{path}" in files or f"tests/{item.nodeid}" in listed:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> CheckpointFactory:
