@@ -132,11 +132,11 @@ def _node_share() -> tuple[int, int]:
 SAMPLES, SAMPLE_BYTES = 3, 256
 
 
-def _sample_ranges(source, file: str, data_start: int) -> list[tuple[int, int]]:
-    """The (offset, length) ranges the sampled digest reads of ``file``: the same on every rank (from the
-    header), in file order."""
+def _sample_ranges(tensors, data_start: int) -> list[tuple[int, int]]:
+    """The (offset, length) ranges the sampled digest reads of the file holding ``tensors``: the same on every
+    rank (from the header), in file order."""
     out = []
-    for t in sorted((t for t in source.tensors.values() if t.file == file), key=lambda t: t.offsets):
+    for t in sorted(tensors, key=lambda t: t.offsets):
         begin, end = data_start + t.offsets[0], data_start + t.offsets[1]
         if end - begin <= SAMPLES * SAMPLE_BYTES:
             out.append((begin, end - begin))
@@ -146,9 +146,10 @@ def _sample_ranges(source, file: str, data_start: int) -> list[tuple[int, int]]:
     return out
 
 
-def _hash_file(source, f: str, fh, sampled: bool, chunk: int) -> str:
+def _hash_file(fh, tensors, chunk: int) -> str:
+    """``fh``'s SHA-256, or with ``tensors`` (its header's entries) that of :func:`_sample_ranges`' blocks."""
     h = hashlib.sha256()
-    if not sampled:
+    if tensors is None:
         while block := fh.read(chunk):
             h.update(block)
         return h.hexdigest()
@@ -157,7 +158,7 @@ def _hash_file(source, f: str, fh, sampled: bool, chunk: int) -> str:
         return h.hexdigest()
     data_start = 8 + int.from_bytes(head, "little")
     fd = fh.fileno()
-    for at, n in _sample_ranges(source, f, data_start):
+    for at, n in _sample_ranges(tensors, data_start):
         h.update(os.pread(fd, n, at))
     return h.hexdigest()
 
@@ -173,11 +174,15 @@ def content_hashes(source, chunk: int = 1 << 24, *, sampled: bool = False) -> di
 
     local, local_world = _node_share()
     mine, failed = {}, []
+    by_file: dict[str, list] = {}
+    if sampled:  # each file's tensors, grouped once
+        for t in source.tensors.values():
+            by_file.setdefault(t.file, []).append(t)
     for i, f in enumerate(sorted(source.files)):
         if i % local_world == local:
             try:
                 with open_checked(source.root, f) as fh:
-                    digest = _hash_file(source, f, fh, sampled, chunk)
+                    digest = _hash_file(fh, by_file.get(f, []) if sampled else None, chunk)
             except SqError as e:
                 failed += e.problems
                 continue

@@ -330,20 +330,17 @@ def carry_side_towers(model: nn.Module, keymap: KeyMap, targets: dict[str, tuple
                 return None if parent == text or prefix in heads else prefix
         return None
 
-    chosen = {tower(t) for t in keymap.unsliceable}
-    if None in chosen:
-        chosen = {c for c in chosen if c is not None}
     counts: dict[str, int] = {}
-    for prefix in sorted(chosen):
+    for prefix in sorted({tower(t) for t in keymap.unsliceable} - {None}):
         inside = [t for t in targets if t.startswith(prefix + ".")]
-        keys = [p.ckpt_key for t in inside for p in keymap.pieces.pop(t, [])]
-        keys += [k for t in inside for k in keymap.unsliceable.pop(t, ([], ""))[0]]
+        keys = {p.ckpt_key for t in inside for p in keymap.pieces.pop(t, [])}
+        keys |= {k for t in inside for k in keymap.unsliceable.pop(t, ([], ""))[0]}
         for t in inside:
             del targets[t]
-        keymap.carried.extend(sorted(set(keys) - set(keymap.carried)))
-        counts[prefix] = len(set(keys))
+        keymap.carried.extend(sorted(keys - set(keymap.carried)))
+        counts[prefix] = len(keys)
         logger.warning("%s carried as stored (%d checkpoint tensors, unquantized): transformers builds some of "
-                       "its tensors with conversion operations sq cannot read as slices", prefix, len(set(keys)))
+                       "its tensors with conversion operations sq cannot read as slices", prefix, len(keys))
     return counts
 
 

@@ -133,15 +133,10 @@ _MODEL_FREE_QUANTIZES = ("up/down-only experts", "zero-compute or identity exper
 def model_experts_problems(model: nn.Module, allow: bool) -> list[str]:
     """The refusal for routed experts the model path would carry in full precision, one line per cause
     (``--allow-unquantized-experts``: none; they are logged, and the report and summary name them)."""
-    by_reason: dict[str, list[tuple[str, str]]] = {}
-    for name, why in carried_experts(model):
-        by_reason.setdefault(why, []).append((name, why))
-    problems = []
-    for why, carried in by_reason.items():
-        hint = ("; or quantize them model-free (--model-free --algo rtn), which quantizes these experts per expert"
-                if any(k in why for k in _MODEL_FREE_QUANTIZES) else "")
-        problems += unquantized_experts_problems(carried, allow, hint)
-    return problems
+    return unquantized_experts_problems(
+        carried_experts(model), allow,
+        lambda why: ("; or quantize them model-free (--model-free --algo rtn), which quantizes these experts per "
+                     "expert" if any(k in why for k in _MODEL_FREE_QUANTIZES) else ""))
 
 
 def row_shard_problems(targets: Targets) -> list[str]:

@@ -333,12 +333,12 @@ def experts_report(tokens: dict[str, dict[int, tuple[int, int]]], rtn_names: lis
 ALLOW_UNQUANTIZED_EXPERTS = "--allow-unquantized-experts"
 
 
-def unquantized_experts_problems(carried: list[tuple[str, str]], allow: bool, hint: str = "") -> list[str]:
+def unquantized_experts_problems(carried: list[tuple[str, str]], allow: bool, hint=lambda why: "") -> list[str]:
     """The refusal for routed experts sq would write in full precision (``carried``: ``(module, why)``, as
     ``sq.anatomy.carried_experts`` gives them), one line per cause; [] under ``allow``
     (``--allow-unquantized-experts``: logged, and the report and summary name them).  Routed experts hold most of
-    an MoE's weights: a "W4A16" output with them in bf16 is not what the user asked for.  ``hint``: what else
-    the caller's path offers, appended to each line."""
+    an MoE's weights: a "W4A16" output with them in bf16 is not what the user asked for.  ``hint(why)``: what
+    else the caller's path offers for that cause, appended to its line."""
     by_reason: dict[str, list[str]] = {}
     for name, why in carried:
         by_reason.setdefault(why, []).append(name)
@@ -349,7 +349,7 @@ def unquantized_experts_problems(carried: list[tuple[str, str]], allow: bool, hi
         return []
     return [f"routed experts sq cannot quantize: {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} "
             f"({why}); they would be written in full precision beside quantized Linears. Pass "
-            f"{ALLOW_UNQUANTIZED_EXPERTS} (sq.quantize: allow_unquantized_experts=True) to write them so{hint}"
+            f"{ALLOW_UNQUANTIZED_EXPERTS} (sq.quantize: allow_unquantized_experts=True) to write them so{hint(why)}"
             for why, names in by_reason.items()]
 
 
