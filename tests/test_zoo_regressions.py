@@ -19,7 +19,7 @@ import torch
 
 from harness import run_cli
 from sq.synthetic import build_checkpoint
-from sq.testing.zoo import check_output, hub_transposed_layout, read_safetensors_dir, tiny_config
+from sq.testing.zoo import check_output, float32_state, hub_transposed_layout, read_safetensors_dir, tiny_config
 
 # (id, model_type, overrides, dtype, float32 leaves rewritten into the shards, --ep): each failed before its fix
 VARIANTS = [
@@ -36,22 +36,6 @@ VARIANTS = [
 ]
 
 
-def _float32_leaves(path: Path, leaves: tuple[str, ...]) -> list[str]:
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    done = []
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            metadata, tensors = h.metadata(), {k: h.get_tensor(k) for k in h.keys()}
-        hit = [k for k in tensors if k.rsplit(".", 1)[-1] in leaves]
-        for k in hit:
-            tensors[k] = tensors[k].float()
-        save_file(tensors, str(f), metadata=metadata)
-        done += hit
-    return done
-
-
 def _gptq(src: Path, out: Path, ep: int) -> list[str]:
     return ["sq.ptq", "--model", str(src), "--output", str(out), "--scheme", "W4A16", "--algo", "gptq",
             "--group-size", "8", "--nsamples", "4", "--seqlen", "32"] + (["--ep", str(ep)] if ep > 1 else [])
@@ -63,7 +47,7 @@ def test_variant_quantizes(vid, model_type, overrides, dtype, fp32, ep, tmp_path
                            shards=2, tokenizer_vocab_size=512)[0]
     hub_transposed_layout(src, model_type)
     if fp32:
-        assert _float32_leaves(src, fp32)
+        assert float32_state(src, fp32)
     out = tmp_path / "out"
     res = run_cli(_gptq(src, out, ep), 2, timeout=240)
     assert res.returncode == 0, res.output[-4000:]

@@ -309,9 +309,10 @@ def variants(model_type: str, n: int, start: int = 1) -> list[Variant]:
     return [variant(model_type, s) for s in range(start, start + n)]
 
 
-def float32_state(path: Path) -> list[str]:
-    """Rewrite checkpoint ``path``'s SSM / linear-attention state parameters (``A_log``, ``D``, ``dt_bias``...)
-    as float32 beside its bf16 weights, as real hybrids ship them; returns their keys."""
+def float32_state(path: Path, leaves: tuple[str, ...] | None = None) -> list[str]:
+    """Rewrite checkpoint ``path``'s SSM / linear-attention state parameters (``A_log``, ``D``, ``dt_bias``...;
+    ``leaves``: the tensors whose last name component is one of these) as float32 beside its bf16 weights, as
+    real hybrids ship them; returns their keys."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -320,7 +321,8 @@ def float32_state(path: Path) -> list[str]:
         with safe_open(str(f), framework="pt") as h:
             metadata = h.metadata()
             tensors = {k: h.get_tensor(k) for k in h.keys()}
-        hit = [k for k in tensors if _STATE.search(k) and tensors[k].dtype == torch.bfloat16]
+        hit = [k for k in tensors if tensors[k].dtype == torch.bfloat16
+               and (_STATE.search(k) if leaves is None else k.rsplit(".", 1)[-1] in leaves)]
         if hit:
             for k in hit:
                 tensors[k] = tensors[k].float()
