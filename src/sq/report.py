@@ -82,11 +82,9 @@ def block_progress(total: int, start: int, bar: bool) -> BlockProgress:
     return BlockProgress(total, start, bar)
 
 
-def summary_lines(report: dict, worst: int = 5, *, only_experts: bool = False) -> list[str]:
-    """The end-of-run summary: time, peak memory per rank, the worst layers by error (``only_experts``: the
-    line naming routed experts left unquantized, if any)."""
-    if only_experts:
-        return _unquantized_experts_line(report)
+def summary_lines(report: dict, worst: int = 5) -> list[str]:
+    """The end-of-run summary: time, peak memory per rank, the worst layers by error, routed experts left
+    unquantized."""
     lines = [f"done in {_fmt_s(report['seconds'])} on {report['world_size']} rank(s)"
              + (f", resumed at block {report['resumed_from_block']}" if report.get("resumed_from_block") else "")]
     for r in report["ranks"]:
@@ -107,7 +105,7 @@ def summary_lines(report: dict, worst: int = 5, *, only_experts: bool = False) -
     if report.get("experts_rtn_fallback"):
         lines.append(f"  {report['experts_rtn_fallback']} expert(s) saw no calibration token (RTN): "
                      + ", ".join((ex or {}).get("rtn", [])[:8]) + (" ..." if len((ex or {}).get("rtn", [])) > 8 else ""))
-    lines += _unquantized_experts_line(report)
+    lines += unquantized_experts_lines(report)
     rot = report.get("rotation")
     if rot:  # --rotate: what was rotated and how closely each proof held
         errors = [b["error"] for b in rot["blocks"].values()] + ([rot["root"]["error"]] if "root" in rot else [])
@@ -123,7 +121,7 @@ def summary_lines(report: dict, worst: int = 5, *, only_experts: bool = False) -
     return lines
 
 
-def _unquantized_experts_line(report: dict) -> list[str]:
+def unquantized_experts_lines(report: dict) -> list[str]:
     """--allow-unquantized-experts: what stayed in full precision, and why."""
     carried = report.get("unquantized_experts")
     if not carried:

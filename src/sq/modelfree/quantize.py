@@ -43,7 +43,7 @@ from sq.modelfree.reader import ReadAhead, Reader
 from sq.quant import rtn
 from sq.quant.experts import unquantized_experts_problems, unquantized_experts_report
 from sq.quant.rtn import rtn_codes
-from sq.report import block_progress, summary_lines
+from sq.report import block_progress, unquantized_experts_lines
 from sq.run import Run, raise_all, signature
 
 logger = logging.getLogger(__name__)
@@ -441,7 +441,7 @@ def _finish(cfg, run: Run, plan: Plan, reader: Reader, source, start: int, t_sta
             report["disk"] = {**predicted["disk"], "written_output_bytes": written_bytes(out)}
         run.write_final(source.config, config_groups(plan, set(skip)), sorted({*plan.unquantized, *skip}), report,
                         frags, lambda: writer.copy_side_files(source.root, out))
-        for line in summary_lines({"unquantized_experts": report["unquantized_experts"]}, only_experts=True):
+        for line in unquantized_experts_lines(report):
             logger.warning("%s", line.strip())
         return report
 

@@ -240,13 +240,15 @@ def predict_ranks(model: nn.Module, targets, algo, *, ranks, base: int, world: i
             # the solve's stages (an algorithm's own, else one: every result held): the largest, with the block's
             # buffers of that stage
             stages = algo.solve_stages(rf) if calibrated else []
+            # experts under FSDP2 (--ep 1): their gathered copy's memory is not given back before the solve
+            gathered = block_fwd if shape.experts and ep == 1 else []
             if not stages:  # an algorithm that does not say: the forward's and the solve's block buffers together
                 stages, solving_all = [("end", solve)], block_solve + block_fwd
-            else:  # experts under FSDP2 (--ep 1): their gathered copy's memory is not given back before the solve
-                solving_all = block_solve + (block_fwd if shape.experts and ep == 1 else [])
+            else:
+                solving_all = block_solve + gathered
             # (one rank solves every width in one call: the earlier widths' results are held by the last one's)
-            by_stage = {"dense": (block_solve if world == 1 else _early_solve(shape, facts))
-                        + (block_fwd if shape.experts and ep == 1 else []), "end": solving_all}
+            by_stage = {"dense": (block_solve if world == 1 else _early_solve(shape, facts)) + gathered,
+                        "end": solving_all}
             stage, solve = max(stages, key=lambda st: _sum(st[1]) + _sum(by_stage[st[0]]))
             solving = by_stage[stage]
             # freed small buffers the heap keeps (sq.pipeline.blocks: HeapTrim): a calibrated job trims every few
